@@ -1,0 +1,86 @@
+// The interface between the Python-facing glue and the compute kernels.
+//
+// Python validates and normalises every argument; these structs carry only pointers, sizes and
+// strides (in elements, not bytes) and the kernels trust them. Nothing here depends on the
+// instruction set: each ISA translation unit fills one `IsaTable` with its own entry points.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace pyattn {
+
+using index_t = std::int64_t;
+
+enum class Dtype : int { f32 = 0, f64 = 1 };
+
+// C[b] = A[b] @ B[b] (or C[b] += when accumulate) for every batch entry b; A[b] starts at
+// a + offa[b], likewise B, C. Any strides, including zero and negative ones.
+struct GemmArgs {
+  index_t m, n, k;
+  const void* a; index_t rsa, csa;
+  const void* b; index_t rsb, csb;
+  void* c; index_t rsc, csc;
+  index_t batch;
+  const index_t* offa; const index_t* offb; const index_t* offc;  // batch offsets, or null for 0
+  int nthreads;
+};
+
+enum class MaskKind : int { none = 0, boolean = 1, additive = 2 };
+
+// Row softmax: out[r, :] = softmax(x[r, :] * scale + mask[r, :]) over `rows` rows of length n.
+// Row r of x starts at x + xoff[r] with element stride xcs; same for out and mask.
+struct SoftmaxArgs {
+  index_t rows, n;
+  const void* x; const index_t* xoff; index_t xcs;
+  void* out; const index_t* ooff; index_t ocs;
+  MaskKind mask_kind; const void* mask; const index_t* moff; index_t mcs;  // bool masks are uint8
+  double scale;
+  int nthreads;
+};
+
+enum class Causal : int { none = 0, top_left = 1, bottom_right = 2 };
+
+// Scaled dot-product attention over `bh` independent (batch, head) problems.
+// Problem i reads q + qoff[i] (Lq x E, row stride q_rs, unit feature stride), k + koff[i]
+// (Lk x E), v + voff[i] (Lk x Ev) and writes out + ooff[i] (Lq x Ev, row stride o_rs).
+// Consecutive groups of `group` problems share the same K and V (grouped-query heads); the
+// kernels may use that to read K and V once for the whole group.
+struct AttnArgs {
+  index_t bh, Lq, Lk, E, Ev, group;
+  const void* q; const index_t* qoff; index_t q_rs;
+  const void* k; const index_t* koff; index_t k_rs;
+  const void* v; const index_t* voff; index_t v_rs;
+  void* out; const index_t* ooff; index_t o_rs;
+  MaskKind mask_kind; const void* mask; const index_t* moff; index_t m_rs, m_cs;
+  void* lse; const index_t* lseoff; index_t lse_s;      // optional: natural-log LSE per row
+  void* weights; const index_t* woff; index_t w_rs;     // optional: zero-filled by the caller
+  double scale;
+  Causal causal;
+  int nthreads;
+};
+
+struct IsaTable {
+  const char* name;
+  void (*gemm[2])(const GemmArgs&);
+  void (*softmax[2])(const SoftmaxArgs&);
+  void (*attention[2])(const AttnArgs&);
+};
+
+// One table per compiled instruction set (defined in csrc/kernels/<isa>/).
+extern const IsaTable isa_generic;
+extern const IsaTable isa_avx2;
+extern const IsaTable isa_avx512;
+
+// Process-wide state, defined in frame/dispatch.cpp (compiled for the baseline ISA only).
+const IsaTable& active_isa();
+bool set_active_isa(const char* name);   // false if unknown or unsupported by this CPU
+int isa_supported(const char* name);
+int default_num_threads();
+int get_num_threads();
+void set_num_threads(int n);
+
+// Per-thread, 64-byte aligned, grow-only scratch (slot 0..7) owned by the calling OS thread.
+// Lives in the baseline TU so that no ISA translation unit emits shared inline symbols.
+void* scratch(int slot, std::size_t bytes);
+
+}  // namespace pyattn

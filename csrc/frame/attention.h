@@ -1,0 +1,409 @@
+// Flash-style fused attention, written once and instantiated per ISA.
+//
+// Prefill (any Lq): one task = one (batch*head, query tile of NR queries). The tile works in the
+// transposed orientation S^T = K Q^T so that the micro-kernel broadcasts K rows straight from
+// memory and vectorises across queries: K and V are never packed or copied, only the small
+// Q^T tile is (with scale*log2(e) folded in). Per key block of BK keys:
+//   S^T = K_blk Q^T                         (GEMM micro-kernel, A = K rows, B = Q^T)
+//   m' = max(m, colmax(S^T)); a = exp2(m - m'); P^T = exp2(S^T - m'); l = a*l + colsum(P^T)
+//   acc^T = a * acc^T + V_blk^T P^T         (GEMM micro-kernel, A = V^T, B = P^T)
+// so every softmax statistic is a vector over the tile's queries. Scratch per thread is
+// NR * (E + BK + Ev + 8) elements whatever the sequence lengths.
+//
+// Decode (few queries, long Lk): one task = (group of heads sharing K/V, chunk of keys); all
+// queries of the group are rows that share each K and V row read; chunks are merged exactly
+// through their log-sum-exp, so both cores stream K/V even when batch*heads is 1.
+#pragma once
+
+template <class K>
+struct Attention {
+  using T = typename K::T;
+  static constexpr int MR = K::MR, NR = K::NR, BK = K::BK;
+  static constexpr T kInf = NumLimits<T>::inf;
+
+  const AttnArgs& a;
+  const T *Q, *Kp, *V;
+  T *O, *Lse, *W;
+  T s2;           // scale * log2(e), folded into Q
+  index_t coff;   // causal: query i may see keys j <= i + coff
+
+  explicit Attention(const AttnArgs& args)
+      : a(args),
+        Q(static_cast<const T*>(args.q)),
+        Kp(static_cast<const T*>(args.k)),
+        V(static_cast<const T*>(args.v)),
+        O(static_cast<T*>(args.out)),
+        Lse(static_cast<T*>(args.lse)),
+        W(static_cast<T*>(args.weights)),
+        s2(T(args.scale * kLog2e)),
+        coff(args.causal == Causal::bottom_right ? args.Lk - args.Lq : 0) {}
+
+  // Keys [0, key_end(i_last)) are visible to queries up to i_last.
+  index_t key_end(index_t i_last) const {
+    if (a.causal == Causal::none) return a.Lk;
+    return max_of<index_t>(0, min_of<index_t>(a.Lk, i_last + coff + 1));
+  }
+
+  // ---------------------------------------------------------------- prefill (query tiles)
+
+  struct Tile {
+    T *qt, *st, *acc, *m, *l, *sub, *alpha, *csum;
+  };
+
+  static std::size_t tile_scratch(index_t E, index_t Ev) {
+    return std::size_t(NR) * std::size_t(E + BK + Ev + 8) * sizeof(T);
+  }
+
+  Tile carve(T* base) const {
+    Tile t;
+    t.qt = base;
+    t.st = t.qt + a.E * NR;
+    t.acc = t.st + BK * NR;
+    t.m = t.acc + a.Ev * NR;
+    t.l = t.m + NR;
+    t.sub = t.l + NR;
+    t.alpha = t.sub + NR;
+    t.csum = t.alpha + NR;
+    return t;
+  }
+
+  // qt[e*NR + q] = Q[q0+q, e] * s2, zero beyond the qc real queries.
+  void pack_qt(const T* q, index_t qc, T* qt) const {
+    for (index_t e = 0; e < a.E; ++e)
+      for (index_t c = qc; c < NR; ++c) qt[e * NR + c] = T(0);
+    for (index_t c = 0; c < qc; ++c) {
+      const T* qr = q + c * a.q_rs;
+      for (index_t e = 0; e < a.E; ++e) qt[e * NR + c] = qr[e] * s2;
+    }
+  }
+
+  // st[j*NR + c] = -inf where key k0+j is hidden from query q0+c; additive masks are added.
+  void mask_block(index_t bh, index_t q0, index_t qc, index_t k0, index_t kb, T* st) const {
+    if (a.causal != Causal::none && k0 + kb - 1 > q0 + coff) {
+      for (index_t c = 0; c < qc; ++c) {
+        const index_t first_hidden = max_of<index_t>(0, q0 + c + coff + 1 - k0);
+        for (index_t j = first_hidden; j < kb; ++j) st[j * NR + c] = -kInf;
+      }
+    }
+    if (a.mask_kind == MaskKind::boolean) {
+      const unsigned char* mk = static_cast<const unsigned char*>(a.mask) + a.moff[bh] + k0 * a.m_cs;
+      for (index_t c = 0; c < qc; ++c) {
+        const unsigned char* mr = mk + (q0 + c) * a.m_rs;
+        for (index_t j = 0; j < kb; ++j)
+          if (!mr[j * a.m_cs]) st[j * NR + c] = -kInf;
+      }
+    } else if (a.mask_kind == MaskKind::additive) {
+      const T* mk = static_cast<const T*>(a.mask) + a.moff[bh] + k0 * a.m_cs;
+      for (index_t c = 0; c < qc; ++c) {
+        const T* mr = mk + (q0 + c) * a.m_rs;
+        for (index_t j = 0; j < kb; ++j) st[j * NR + c] += mr[j * a.m_cs] * T(kLog2e);
+      }
+    }
+  }
+
+  // S^T block = K[k0:k0+kb] Q^T, masked.
+  void scores(index_t bh, index_t q0, index_t qc, index_t k0, index_t kb, const T* qt, T* st) const {
+    const T* kblk = Kp + a.koff[bh] + k0 * a.k_rs;
+    for (index_t j = 0; j < kb; j += MR)
+      K::ukernel(int(min_of<index_t>(MR, kb - j)), a.E, kblk + j * a.k_rs, a.k_rs, 1, qt, NR, st + j * NR,
+                 NR, NR, false);
+    mask_block(bh, q0, qc, k0, kb, st);
+  }
+
+  //   m' = max(m, colmax(st)); sub = m' or 0 if m' = -inf; alpha = exp2(m - sub);
+  //   st = exp2(st - sub); l = alpha*l + colsum(st)
+  static void online_softmax(index_t kb, Tile& t) {
+    T* mx = t.csum;  // reused: holds the column max until the column sums start
+    for (int c = 0; c < NR; ++c) mx[c] = t.m[c];
+    for (index_t j = 0; j < kb; ++j) {
+      const T* s = t.st + j * NR;
+#pragma omp simd
+      for (int c = 0; c < NR; ++c) mx[c] = s[c] > mx[c] ? s[c] : mx[c];
+    }
+    for (int c = 0; c < NR; ++c) {
+      t.sub[c] = mx[c] == -kInf ? T(0) : mx[c];
+      t.alpha[c] = t.m[c];
+      t.m[c] = mx[c];
+      mx[c] = T(0);
+    }
+    K::exp2_sub_cols(t.alpha, t.sub, t.csum, NR);  // alpha = exp2(m_old - sub); csum is scratch here
+    for (int c = 0; c < NR; ++c) t.csum[c] = T(0);
+    for (index_t j = 0; j < kb; ++j) K::exp2_sub_cols(t.st + j * NR, t.sub, t.csum, NR);
+#pragma omp simd
+    for (int c = 0; c < NR; ++c) t.l[c] = t.alpha[c] * t.l[c] + t.csum[c];
+  }
+
+  // acc^T *= alpha (only when some running max moved), then acc^T += V_blk^T P^T.
+  void accumulate(index_t bh, index_t k0, index_t kb, Tile& t) const {
+    bool moved = false;
+    for (int c = 0; c < NR; ++c) moved |= t.alpha[c] != T(1);
+    if (moved) {
+      for (index_t d = 0; d < a.Ev; ++d) {
+        T* ad = t.acc + d * NR;
+#pragma omp simd
+        for (int c = 0; c < NR; ++c) ad[c] *= t.alpha[c];
+      }
+    }
+    const T* vblk = V + a.voff[bh] + k0 * a.v_rs;
+    for (index_t d = 0; d < a.Ev; d += MR)
+      K::ukernel(int(min_of<index_t>(MR, a.Ev - d)), kb, vblk + d, 1, a.v_rs, t.st, NR, t.acc + d * NR, NR,
+                 NR, true);
+  }
+
+  void query_tile(index_t bh, index_t q0, Tile& t) const {
+    const index_t qc = min_of<index_t>(NR, a.Lq - q0);
+    const index_t kend = key_end(q0 + qc - 1);
+    pack_qt(Q + a.qoff[bh] + q0 * a.q_rs, qc, t.qt);
+    for (int c = 0; c < NR; ++c) {
+      t.m[c] = -kInf;
+      t.l[c] = T(0);
+    }
+    for (index_t x = 0; x < a.Ev * NR; ++x) t.acc[x] = T(0);
+    for (index_t k0 = 0; k0 < kend; k0 += BK) {
+      const index_t kb = min_of<index_t>(BK, kend - k0);
+      scores(bh, q0, qc, k0, kb, t.qt, t.st);
+      online_softmax(kb, t);
+      accumulate(bh, k0, kb, t);
+    }
+    // out = acc / l (zeros where no key was visible), lse = ln(2) * (m + log2(l))
+    T* o = O + a.ooff[bh] + q0 * a.o_rs;
+    for (index_t c = 0; c < qc; ++c) {
+      const T inv = t.l[c] > T(0) ? T(1) / t.l[c] : T(0);
+      t.csum[c] = inv;
+      T* orow = o + c * a.o_rs;
+      for (index_t d = 0; d < a.Ev; ++d) orow[d] = t.acc[d * NR + c] * inv;
+      if (Lse) Lse[a.lseoff[bh] + (q0 + c) * a.lse_s] = lse_of(t.m[c], t.l[c]);
+    }
+    if (W) weights_tile(bh, q0, qc, kend, t);
+  }
+
+  static T lse_of(T m, T l) {
+    if (!(l > T(0))) return l == T(0) ? -kInf : l;  // no visible key, or NaN
+    return T(kLn2) * (m + std::log2(l));
+  }
+
+  // Second sweep for return_weights: W[q, j] = exp2(S^T[j, q] - m_q) / l_q, written exactly once.
+  void weights_tile(index_t bh, index_t q0, index_t qc, index_t kend, Tile& t) const {
+    const T* inv = t.csum;
+    T* w = W + a.woff[bh] + q0 * a.w_rs;
+    for (index_t k0 = 0; k0 < kend; k0 += BK) {
+      const index_t kb = min_of<index_t>(BK, kend - k0);
+      scores(bh, q0, qc, k0, kb, t.qt, t.st);
+      for (index_t j = 0; j < kb; ++j) K::exp2_sub_cols(t.st + j * NR, t.sub, t.alpha, NR);
+      for (index_t c = 0; c < qc; ++c) {
+        T* wr = w + c * a.w_rs + k0;
+        for (index_t j = 0; j < kb; ++j) wr[j] = t.st[j * NR + c] * inv[c];
+      }
+    }
+  }
+
+  void prefill() const {
+    const index_t nqt = ceil_div(a.Lq, NR);
+    const index_t ntasks = a.bh * nqt;
+    const std::size_t bytes = tile_scratch(a.E, a.Ev);
+    const double work = double(a.bh) * double(a.Lq) * double(a.Lk) * double(a.E + a.Ev);
+    const int nt = int(min_of<index_t>(threads_for(work, a.nthreads), ntasks));
+    // Causal tiles near the end of the sequence do the most work: hand them out first.
+    auto task = [&](index_t t, Tile& tile) {
+      const index_t qt = nqt - 1 - t / a.bh;
+      query_tile(t % a.bh, qt * NR, tile);
+    };
+    if (nt <= 1) {
+      Tile tile = carve(static_cast<T*>(scratch(0, bytes)));
+      for (index_t t = 0; t < ntasks; ++t) task(t, tile);
+      return;
+    }
+#pragma omp parallel num_threads(nt)
+    {
+      Tile tile = carve(static_cast<T*>(scratch(0, bytes)));
+#pragma omp for schedule(dynamic, 1)
+      for (index_t t = 0; t < ntasks; ++t) task(t, tile);
+    }
+  }
+
+  // ---------------------------------------------------------------- decode (few queries)
+
+  static constexpr index_t DB = 64;  // keys per decode block
+
+  // Rows of a decode task: all Lq queries of the `group` heads that share one K/V.
+  struct Rows {
+    index_t R;
+    T *q, *s, *acc, *m, *l;
+  };
+
+  static std::size_t decode_scratch(index_t R, index_t E, index_t Ev) {
+    return std::size_t(R) * std::size_t(E + DB + Ev + 2) * sizeof(T);
+  }
+
+  // Runs keys [j0, j1) of head group g; leaves unnormalised acc, running max m (log2 units)
+  // and sum l per row.
+  void decode_chunk(index_t g, index_t j0, index_t j1, Rows& r) const {
+    const index_t Lq = a.Lq, E = a.E, Ev = a.Ev;
+    const index_t h0 = g * a.group;
+    for (index_t x = 0; x < r.R; ++x) {
+      const T* qsrc = Q + a.qoff[h0 + x / Lq] + (x % Lq) * a.q_rs;
+      T* qd = r.q + x * E;
+      for (index_t e = 0; e < E; ++e) qd[e] = qsrc[e] * s2;
+      r.m[x] = -kInf;
+      r.l[x] = T(0);
+      for (index_t d = 0; d < Ev; ++d) r.acc[x * Ev + d] = T(0);
+    }
+    const T* kbase = Kp + a.koff[h0];
+    const T* vbase = V + a.voff[h0];
+    for (index_t k0 = j0; k0 < j1; k0 += DB) {
+      const index_t kb = min_of<index_t>(DB, j1 - k0);
+      for (index_t j = 0; j < kb; ++j) {
+        const T* kr = kbase + (k0 + j) * a.k_rs;
+        for (index_t x = 0; x < r.R; ++x) {
+          const T* qx = r.q + x * E;
+          T s = T(0);
+#pragma omp simd reduction(+ : s)
+          for (index_t e = 0; e < E; ++e) s += qx[e] * kr[e];
+          r.s[x * DB + j] = s;
+        }
+      }
+      for (index_t x = 0; x < r.R; ++x) {
+        const index_t h = h0 + x / Lq, qi = x % Lq;
+        T* s = r.s + x * DB;
+        if (a.causal != Causal::none) {
+          const index_t first_hidden = max_of<index_t>(0, qi + coff + 1 - k0);
+          for (index_t j = first_hidden; j < kb; ++j) s[j] = -kInf;
+        }
+        if (a.mask_kind == MaskKind::boolean) {
+          const unsigned char* mr =
+              static_cast<const unsigned char*>(a.mask) + a.moff[h] + qi * a.m_rs + k0 * a.m_cs;
+          for (index_t j = 0; j < kb; ++j)
+            if (!mr[j * a.m_cs]) s[j] = -kInf;
+        } else if (a.mask_kind == MaskKind::additive) {
+          const T* mr = static_cast<const T*>(a.mask) + a.moff[h] + qi * a.m_rs + k0 * a.m_cs;
+          for (index_t j = 0; j < kb; ++j) s[j] += mr[j * a.m_cs] * T(kLog2e);
+        }
+        T mx = r.m[x];
+        for (index_t j = 0; j < kb; ++j) mx = s[j] > mx ? s[j] : mx;
+        const T sub = mx == -kInf ? T(0) : mx;
+        const T alpha = r.m[x] == -kInf ? T(0) : T(std::exp2(r.m[x] - sub));
+        r.m[x] = mx;
+        r.l[x] = alpha * r.l[x] + K::exp2_sub_sum(s, kb, sub);
+        if (alpha != T(1)) {
+          T* ax = r.acc + x * Ev;
+#pragma omp simd
+          for (index_t d = 0; d < Ev; ++d) ax[d] *= alpha;
+        }
+      }
+      for (index_t j = 0; j < kb; ++j) {
+        const T* vr = vbase + (k0 + j) * a.v_rs;
+        for (index_t x = 0; x < r.R; ++x) {
+          const T p = r.s[x * DB + j];
+          T* ax = r.acc + x * Ev;
+#pragma omp simd
+          for (index_t d = 0; d < Ev; ++d) ax[d] += p * vr[d];
+        }
+      }
+    }
+  }
+
+  void finish_row(index_t g, index_t x, const T* acc, T m, T l) const {
+    const index_t h = g * a.group + x / a.Lq, qi = x % a.Lq;
+    T* orow = O + a.ooff[h] + qi * a.o_rs;
+    const T inv = l > T(0) ? T(1) / l : T(0);
+    for (index_t d = 0; d < a.Ev; ++d) orow[d] = acc[d] * inv;
+    if (Lse) Lse[a.lseoff[h] + qi * a.lse_s] = lse_of(m, l);
+  }
+
+  void decode() const {
+    const index_t ng = a.bh / a.group, R = a.group * a.Lq, Ev = a.Ev;
+    // Key chunks: enough tasks to feed 8 threads, never under 256 keys. The split does not
+    // depend on the thread count, so results are identical for any number of threads.
+    index_t nchunk = 1;
+    if (ng < 8) nchunk = max_of<index_t>(1, min_of<index_t>(ceil_div(8, ng), a.Lk / 256));
+    const index_t chunk = round_up(ceil_div(a.Lk, nchunk), DB);
+    nchunk = max_of<index_t>(1, ceil_div(a.Lk, chunk));
+    const index_t ntasks = ng * nchunk;
+    const std::size_t part = std::size_t(R) * std::size_t(Ev + 2);  // acc, m, l per task
+    T* parts = nchunk > 1 ? static_cast<T*>(scratch(2, ntasks * part * sizeof(T))) : nullptr;
+    const std::size_t bytes = decode_scratch(R, a.E, Ev);
+    const double work = double(a.bh) * double(a.Lq) * double(a.Lk) * double(a.E + a.Ev);
+    const int nt = int(min_of<index_t>(threads_for(work, a.nthreads), ntasks));
+
+    auto task = [&](index_t t, Rows& r) {
+      const index_t g = t / nchunk, c = t % nchunk;
+      const index_t j0 = c * chunk, j1 = min_of<index_t>(a.Lk, j0 + chunk);
+      const index_t jend = min_of<index_t>(j1, key_end(a.Lq - 1));
+      decode_chunk(g, j0, max_of<index_t>(j0, jend), r);
+      if (!parts) {
+        for (index_t x = 0; x < R; ++x) finish_row(g, x, r.acc + x * Ev, r.m[x], r.l[x]);
+        return;
+      }
+      T* p = parts + t * part;
+      for (index_t x = 0; x < R * Ev; ++x) p[x] = r.acc[x];
+      for (index_t x = 0; x < R; ++x) {
+        p[R * Ev + x] = r.m[x];
+        p[R * Ev + R + x] = r.l[x];
+      }
+    };
+    auto carve_rows = [&](T* base) {
+      Rows r;
+      r.R = R;
+      r.q = base;
+      r.s = r.q + R * a.E;
+      r.acc = r.s + R * DB;
+      r.m = r.acc + R * Ev;
+      r.l = r.m + R;
+      return r;
+    };
+    // Merge the chunks of group g: M = max m_c; acc = sum exp2(m_c - M) acc_c; l likewise.
+    auto merge = [&](index_t g, T* acc) {
+      for (index_t x = 0; x < R; ++x) {
+        T M = -kInf;
+        for (index_t c = 0; c < nchunk; ++c) {
+          const T mc = parts[(g * nchunk + c) * part + R * Ev + x];
+          M = mc > M ? mc : M;
+        }
+        const T sub = M == -kInf ? T(0) : M;
+        T l = T(0);
+        for (index_t d = 0; d < Ev; ++d) acc[d] = T(0);
+        for (index_t c = 0; c < nchunk; ++c) {
+          const T* p = parts + (g * nchunk + c) * part;
+          const T mc = p[R * Ev + x];
+          const T w = mc == -kInf ? T(0) : T(std::exp2(mc - sub));
+          l += w * p[R * Ev + R + x];
+          for (index_t d = 0; d < Ev; ++d) acc[d] += w * p[x * Ev + d];
+        }
+        finish_row(g, x, acc, M, l);
+      }
+    };
+
+    if (nt <= 1) {
+      Rows r = carve_rows(static_cast<T*>(scratch(0, bytes)));
+      for (index_t t = 0; t < ntasks; ++t) task(t, r);
+      if (parts)
+        for (index_t g = 0; g < ng; ++g) merge(g, r.acc);
+      return;
+    }
+#pragma omp parallel num_threads(nt)
+    {
+      Rows r = carve_rows(static_cast<T*>(scratch(0, bytes)));
+#pragma omp for schedule(dynamic, 1)
+      for (index_t t = 0; t < ntasks; ++t) task(t, r);
+      if (parts) {
+#pragma omp for schedule(static)
+        for (index_t g = 0; g < ng; ++g) merge(g, r.acc);
+      }
+    }
+  }
+
+  // Decode when each K/V row would otherwise be read for a single query tile that is mostly
+  // padding: few queries per head group, and no weights asked for.
+  static bool use_decode(const AttnArgs& args) {
+    return !args.weights && args.Lq * args.group <= 16 && args.Lq <= 8;
+  }
+
+  static void run(const AttnArgs& args) {
+    if (args.bh == 0 || args.Lq == 0 || args.Ev == 0) return;
+    Attention self(args);
+    if (use_decode(args))
+      self.decode();
+    else
+      self.prefill();
+  }
+};

@@ -1,0 +1,116 @@
+// Run-time choice of the kernel set, the thread count and per-thread scratch.
+// Compiled with baseline flags only: it must run on any CPU to decide which kernels can.
+#include "frame/api.h"
+
+#include <omp.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+namespace pyattn {
+
+namespace {
+
+bool cpu_has_avx2() {
+#if defined(PYATTN_HAVE_X86)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx512() {
+#if defined(PYATTN_HAVE_X86)
+  __builtin_cpu_init();
+  return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+#else
+  return false;
+#endif
+}
+
+const IsaTable* table_for(const char* name) {
+  if (std::strcmp(name, "generic") == 0) return &isa_generic;
+#if defined(PYATTN_HAVE_X86)
+  if (std::strcmp(name, "avx2") == 0) return cpu_has_avx2() ? &isa_avx2 : nullptr;
+  if (std::strcmp(name, "avx512") == 0) return cpu_has_avx512() ? &isa_avx512 : nullptr;
+#endif
+  return nullptr;
+}
+
+const IsaTable* best_table() {
+  // PYATTN_ISA forces a path; an unknown or unsupported name falls back to the best one and
+  // the Python layer reports it (it checks the variable against available_isas()).
+  if (const char* env = std::getenv("PYATTN_ISA")) {
+    if (const IsaTable* t = table_for(env)) return t;
+  }
+#if defined(PYATTN_HAVE_X86)
+  if (cpu_has_avx512()) return &isa_avx512;
+  if (cpu_has_avx2()) return &isa_avx2;
+#endif
+  return &isa_generic;
+}
+
+std::atomic<const IsaTable*> g_isa{nullptr};
+std::atomic<int> g_threads{0};
+
+}  // namespace
+
+const IsaTable& active_isa() {
+  const IsaTable* t = g_isa.load(std::memory_order_acquire);
+  if (!t) {
+    t = best_table();
+    g_isa.store(t, std::memory_order_release);
+  }
+  return *t;
+}
+
+bool set_active_isa(const char* name) {
+  const IsaTable* t = table_for(name);
+  if (!t) return false;
+  g_isa.store(t, std::memory_order_release);
+  return true;
+}
+
+int isa_supported(const char* name) { return table_for(name) != nullptr; }
+
+int default_num_threads() {
+  int n = omp_get_max_threads();
+  return n > 0 ? n : 1;
+}
+
+int get_num_threads() {
+  int n = g_threads.load(std::memory_order_relaxed);
+  return n > 0 ? n : default_num_threads();
+}
+
+void set_num_threads(int n) { g_threads.store(n, std::memory_order_relaxed); }
+
+namespace {
+struct ScratchSlot {
+  void* ptr = nullptr;
+  std::size_t size = 0;
+  ~ScratchSlot() { std::free(ptr); }
+};
+thread_local ScratchSlot t_scratch[8];
+}  // namespace
+
+void* scratch(int slot, std::size_t bytes) {
+  ScratchSlot& s = t_scratch[slot];
+  if (bytes > s.size) {
+    std::free(s.ptr);
+    std::size_t sz = (bytes + 4095) & ~std::size_t(4095);  // whole pages: fewer regrowths
+    s.ptr = std::aligned_alloc(64, sz);
+    if (!s.ptr) {
+      s.size = 0;
+      throw std::bad_alloc();
+    }
+    s.size = sz;
+  }
+  return s.ptr;
+}
+
+}  // namespace pyattn

@@ -1,0 +1,226 @@
+// BLIS-style packed GEMM, written once and instantiated per ISA with that ISA's kernel traits.
+//
+// Loops (C is row-major in practice, so the micro-kernel vectorises along n):
+//   for pc over k in KC blocks:          pack A (m x kc) in MR-row panels and B (kc x n) in
+//                                         NR-column panels, all threads sharing both packs
+//     for each macro tile (MC x NC):     threads take contiguous runs of tiles, column-block
+//                                         major, so a thread's packed-B block stays in its L2
+//       for ir in MR panels (A micro-panel resident in L1 across the jr loop)
+//         for jr in NR panels:           ukernel: C[MR x NR] (+)= A_panel[MR x kc] B_panel[kc x NR]
+// Kernel traits K provide T, MR, NR, MC, KC, NC and ukernel(); see csrc/kernels/<isa>/.
+#pragma once
+
+template <class K>
+struct Gemm {
+  using T = typename K::T;
+  static constexpr int MR = K::MR, NR = K::NR;
+
+  // dst[p*MR + r] = a[r*rsa + p*csa] for r < rows; rows rows..MR-1 are zero.
+  static void pack_a(const T* a, index_t rsa, index_t csa, int rows, index_t kc, T* dst) {
+    if (csa == 1) {
+      for (int r = 0; r < rows; ++r) {
+        const T* ar = a + r * rsa;
+        for (index_t p = 0; p < kc; ++p) dst[p * MR + r] = ar[p];
+      }
+    } else {
+      for (index_t p = 0; p < kc; ++p)
+        for (int r = 0; r < rows; ++r) dst[p * MR + r] = a[r * rsa + p * csa];
+    }
+    for (index_t p = 0; p < kc; ++p)
+      for (int r = rows; r < MR; ++r) dst[p * MR + r] = T(0);
+  }
+
+  // dst[p*NR + j] = b[p*rsb + j*csb] for j < cols; columns cols..NR-1 are zero.
+  static void pack_b(const T* b, index_t rsb, index_t csb, int cols, index_t kc, T* dst) {
+    if (csb == 1 && cols == NR) {
+      for (index_t p = 0; p < kc; ++p) {
+        const T* bp = b + p * rsb;
+        T* d = dst + p * NR;
+        for (int j = 0; j < NR; ++j) d[j] = bp[j];
+      }
+      return;
+    }
+    if (csb == 1) {
+      for (index_t p = 0; p < kc; ++p) {
+        const T* bp = b + p * rsb;
+        T* d = dst + p * NR;
+        for (int j = 0; j < cols; ++j) d[j] = bp[j];
+        for (int j = cols; j < NR; ++j) d[j] = T(0);
+      }
+      return;
+    }
+    for (int j = 0; j < cols; ++j) {
+      const T* bj = b + j * csb;
+      for (index_t p = 0; p < kc; ++p) dst[p * NR + j] = bj[p * rsb];
+    }
+    for (index_t p = 0; p < kc; ++p)
+      for (int j = cols; j < NR; ++j) dst[p * NR + j] = T(0);
+  }
+
+  // C tile (+)= packed A panel x packed B panel; C may have any column stride.
+  static void tile(index_t kc, const T* ap, const T* bp, T* c, index_t rsc, index_t csc, int mr, int nr,
+                   bool accumulate) {
+    if (csc == 1) {
+      K::ukernel(mr, kc, ap, 1, MR, bp, NR, c, rsc, nr, accumulate);
+      return;
+    }
+    alignas(64) T buf[MR * NR];
+    K::ukernel(mr, kc, ap, 1, MR, bp, NR, buf, NR, nr, false);
+    for (int r = 0; r < mr; ++r)
+      for (int j = 0; j < nr; ++j) {
+        T& dst = c[r * rsc + j * csc];
+        dst = accumulate ? dst + buf[r * NR + j] : buf[r * NR + j];
+      }
+  }
+
+  // One matrix, run by thread `tid` of a team of `nt` (nt == 1: no barriers).
+  // ap, bp: shared packing buffers of at least round_up(m,MR)*KC and KC*round_up(n,NR) elements.
+  static void body(const T* a, index_t rsa, index_t csa, const T* b, index_t rsb, index_t csb, T* c,
+                   index_t rsc, index_t csc, index_t m, index_t n, index_t k, int tid, int nt, T* ap,
+                   T* bp) {
+    const index_t npa = ceil_div(m, MR), npb = ceil_div(n, NR);
+    for (index_t pc = 0; pc < k; pc += K::KC) {
+      const index_t kc = min_of<index_t>(K::KC, k - pc);
+      index_t p0, p1;
+      split_range(npa + npb, tid, nt, p0, p1);
+      for (index_t i = p0; i < p1; ++i) {
+        if (i < npa)
+          pack_a(a + i * MR * rsa + pc * csa, rsa, csa, int(min_of<index_t>(MR, m - i * MR)), kc,
+                 ap + i * MR * kc);
+        else {
+          index_t j = i - npa;
+          pack_b(b + pc * rsb + j * NR * csb, rsb, csb, int(min_of<index_t>(NR, n - j * NR)), kc,
+                 bp + j * NR * kc);
+        }
+      }
+      if (nt > 1) {
+#pragma omp barrier
+      }
+      // Each thread takes a rectangle of whole panels: a run of NR-column panels when there are
+      // enough of them (it then packs nothing twice and keeps its B panels in L2), else a run
+      // of MR-row panels.
+      index_t r0 = 0, r1 = npa, c0 = 0, c1 = npb;
+      if (nt > 1) {
+        if (npb >= 4 * nt || npb >= npa)
+          split_range(npb, tid, nt, c0, c1);
+        else
+          split_range(npa, tid, nt, r0, r1);
+      }
+      constexpr index_t mcp = K::MC / MR, ncp = K::NC / NR;  // block sizes in panels
+      for (index_t jb = c0; jb < c1; jb += ncp) {
+        const index_t je = min_of<index_t>(c1, jb + ncp);
+        for (index_t ib = r0; ib < r1; ib += mcp) {
+          const index_t ie = min_of<index_t>(r1, ib + mcp);
+          for (index_t ip = ib; ip < ie; ++ip) {
+            const int mr = int(min_of<index_t>(MR, m - ip * MR));
+            const T* apanel = ap + ip * MR * kc;
+            for (index_t jp = jb; jp < je; ++jp) {
+              const int nr = int(min_of<index_t>(NR, n - jp * NR));
+              tile(kc, apanel, bp + jp * NR * kc, c + ip * MR * rsc + jp * NR * csc, rsc, csc, mr, nr,
+                   pc > 0);
+            }
+          }
+        }
+      }
+      if (nt > 1) {
+#pragma omp barrier
+      }
+    }
+  }
+
+  // Few rows of A against a row-major B: stream B once, no packing (memory bound).
+  //   c[i, j] = sum_p a[i, p] * b[p, j], i < m <= kGemvRows
+  static constexpr index_t kGemvRows = 4, kGemvCols = 512;
+  static void gemv_rows(const T* a, index_t rsa, index_t csa, const T* b, index_t rsb, T* c, index_t rsc,
+                        index_t csc, index_t m, index_t k, index_t j0, index_t j1) {
+    alignas(64) T acc[kGemvRows][kGemvCols];
+    for (index_t jb = j0; jb < j1; jb += kGemvCols) {
+      const index_t w = min_of<index_t>(kGemvCols, j1 - jb);
+      for (index_t i = 0; i < m; ++i)
+        for (index_t j = 0; j < w; ++j) acc[i][j] = T(0);
+      for (index_t p = 0; p < k; ++p) {
+        const T* bp = b + p * rsb + jb;
+        for (index_t i = 0; i < m; ++i) {
+          const T av = a[i * rsa + p * csa];
+          T* ai = acc[i];
+          for (index_t j = 0; j < w; ++j) ai[j] += av * bp[j];
+        }
+      }
+      for (index_t i = 0; i < m; ++i)
+        for (index_t j = 0; j < w; ++j) c[i * rsc + (jb + j) * csc] = acc[i][j];
+    }
+  }
+
+  static void zero(T* c, index_t rsc, index_t csc, index_t m, index_t n) {
+    for (index_t i = 0; i < m; ++i)
+      for (index_t j = 0; j < n; ++j) c[i * rsc + j * csc] = T(0);
+  }
+
+  static void run(const GemmArgs& g) {
+    const T* A = static_cast<const T*>(g.a);
+    const T* B = static_cast<const T*>(g.b);
+    T* C = static_cast<T*>(g.c);
+    const index_t m = g.m, n = g.n, k = g.k;
+    auto off = [](const index_t* o, index_t i) { return o ? o[i] : index_t(0); };
+    if (m == 0 || n == 0 || g.batch == 0) return;
+    if (k == 0) {
+      for (index_t bi = 0; bi < g.batch; ++bi) zero(C + off(g.offc, bi), g.rsc, g.csc, m, n);
+      return;
+    }
+    const double per = double(m) * double(n) * double(k);
+    const int nt_all = threads_for(per * double(g.batch), g.nthreads);
+
+    if (m <= kGemvRows && g.csb == 1) {
+      // Split columns across threads in whole cache lines; each thread streams its part of B.
+      const index_t nchunks = ceil_div(n, 64);
+      const int nt = int(min_of<index_t>(nt_all, nchunks * g.batch));
+      auto work = [&](index_t bi, index_t j0, index_t j1) {
+        gemv_rows(A + off(g.offa, bi), g.rsa, g.csa, B + off(g.offb, bi), g.rsb, C + off(g.offc, bi), g.rsc,
+                  g.csc, m, k, j0, j1);
+      };
+      if (nt <= 1) {
+        for (index_t bi = 0; bi < g.batch; ++bi) work(bi, 0, n);
+        return;
+      }
+#pragma omp parallel num_threads(nt)
+      {
+        const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+        for (index_t bi = 0; bi < g.batch; ++bi) {
+          index_t c0, c1;
+          split_range(nchunks, tid, team, c0, c1);
+          if (c0 < c1) work(bi, c0 * 64, min_of<index_t>(n, c1 * 64));
+        }
+      }
+      return;
+    }
+
+    const index_t kc = min_of<index_t>(k, K::KC);
+    const std::size_t asz = std::size_t(round_up(m, MR) * kc), bsz = std::size_t(kc * round_up(n, NR));
+    // Many small products: one per thread, each with its own packing buffers.
+    if (g.batch >= 2 * nt_all && nt_all > 1 && per < 64.0 * 64 * 64 * 64) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt_all)
+      for (index_t bi = 0; bi < g.batch; ++bi) {
+        T* ap = static_cast<T*>(scratch(0, asz * sizeof(T)));
+        T* bp = static_cast<T*>(scratch(1, bsz * sizeof(T)));
+        body(A + off(g.offa, bi), g.rsa, g.csa, B + off(g.offb, bi), g.rsb, g.csb, C + off(g.offc, bi),
+             g.rsc, g.csc, m, n, k, 0, 1, ap, bp);
+      }
+      return;
+    }
+    T* ap = static_cast<T*>(scratch(0, asz * sizeof(T)));
+    T* bp = static_cast<T*>(scratch(1, bsz * sizeof(T)));
+    const int nt = threads_for(per, g.nthreads);
+    for (index_t bi = 0; bi < g.batch; ++bi) {
+      const T* a = A + off(g.offa, bi);
+      const T* b = B + off(g.offb, bi);
+      T* c = C + off(g.offc, bi);
+      if (nt <= 1) {
+        body(a, g.rsa, g.csa, b, g.rsb, g.csb, c, g.rsc, g.csc, m, n, k, 0, 1, ap, bp);
+      } else {
+#pragma omp parallel num_threads(nt)
+        body(a, g.rsa, g.csa, b, g.rsb, g.csb, c, g.rsc, g.csc, m, n, k, omp_get_thread_num(),
+             omp_get_num_threads(), ap, bp);
+      }
+    }
+  }
+};

@@ -1,0 +1,16 @@
+// Builds one ISA's dispatch table from its kernel traits. Included last by each
+// csrc/kernels/<isa>/kernels_<isa>.cpp, inside namespace pyattn::<isa>.
+#pragma once
+
+#include "frame/common.h"
+#include "frame/gemm.h"
+#include "frame/softmax.h"
+#include "frame/attention.h"
+
+template <class KF, class KD>
+constexpr IsaTable make_table(const char* name) {
+  return IsaTable{name,
+                  {&Gemm<KF>::run, &Gemm<KD>::run},
+                  {&Softmax<KF>::run, &Softmax<KD>::run},
+                  {&Attention<KF>::run, &Attention<KD>::run}};
+}

@@ -1,0 +1,64 @@
+// Fused, numerically stable row softmax, instantiated per ISA.
+//   y = x * scale * log2(e) + mask * log2(e);  m = max(y);  out = exp2(y - m) / sum(exp2(y - m))
+// Working in base 2 folds log2(e) into the scale, so the exponential is a bare exp2.
+#pragma once
+
+template <class K>
+struct Softmax {
+  using T = typename K::T;
+
+  // y = x * sc, masked; returns max(y) (-inf when every entry is masked).
+  static T load_scaled(const SoftmaxArgs& s, index_t r, T* y) {
+    const T* x = static_cast<const T*>(s.x) + s.xoff[r];
+    const T sc = T(s.scale * kLog2e);
+    const index_t n = s.n, xcs = s.xcs;
+    for (index_t j = 0; j < n; ++j) y[j] = x[j * xcs] * sc;
+    if (s.mask_kind == MaskKind::boolean) {
+      const unsigned char* mk = static_cast<const unsigned char*>(s.mask) + s.moff[r];
+      for (index_t j = 0; j < n; ++j)
+        if (!mk[j * s.mcs]) y[j] = -NumLimits<T>::inf;
+    } else if (s.mask_kind == MaskKind::additive) {
+      const T* mk = static_cast<const T*>(s.mask) + s.moff[r];
+      for (index_t j = 0; j < n; ++j) y[j] += mk[j * s.mcs] * T(kLog2e);
+    }
+    T mx = -NumLimits<T>::inf;
+#pragma omp simd reduction(max : mx)
+    for (index_t j = 0; j < n; ++j) mx = y[j] > mx ? y[j] : mx;
+    return mx;
+  }
+
+  static void row(const SoftmaxArgs& s, index_t r, T* buf) {
+    T* o = static_cast<T*>(s.out) + s.ooff[r];
+    const index_t n = s.n;
+    T* y = s.ocs == 1 ? o : buf;
+    const T mx = load_scaled(s, r, y);
+    if (mx == -NumLimits<T>::inf) {  // no entry may be attended: zeros, not NaN
+      for (index_t j = 0; j < n; ++j) o[j * s.ocs] = T(0);
+      return;
+    }
+    const T inv = T(1) / K::exp2_sub_sum(y, n, mx);
+    if (y == o) {
+#pragma omp simd
+      for (index_t j = 0; j < n; ++j) o[j] *= inv;
+    } else {
+      for (index_t j = 0; j < n; ++j) o[j * s.ocs] = y[j] * inv;
+    }
+  }
+
+  static void run(const SoftmaxArgs& s) {
+    if (s.rows == 0 || s.n == 0) return;
+    const int nt = threads_for(double(s.rows) * double(s.n) * 8.0, s.nthreads);
+    const std::size_t bytes = std::size_t(s.n) * sizeof(T);
+    if (nt <= 1) {
+      T* buf = static_cast<T*>(scratch(0, bytes));
+      for (index_t r = 0; r < s.rows; ++r) row(s, r, buf);
+      return;
+    }
+#pragma omp parallel num_threads(nt)
+    {
+      T* buf = static_cast<T*>(scratch(0, bytes));
+#pragma omp for schedule(static)
+      for (index_t r = 0; r < s.rows; ++r) row(s, r, buf);
+    }
+  }
+};

@@ -1,0 +1,218 @@
+// AVX-512 kernels (F/DQ/BW/VL). Compiled with those flags only; chosen at import when the CPU
+// has them.
+#include <immintrin.h>
+
+#include "kernels/std_includes.h"
+
+namespace pyattn {
+namespace avx512 {
+
+#include "frame/common.h"
+
+// ------------------------------------------------------------------ float32: 8 x 48 tile
+// 8 rows of A are broadcast, 3 vectors of 16 B columns are loaded: 24 accumulators, 3 loads
+// and 8 broadcasts per 24 FMAs, leaving 5 of the 32 zmm registers for the schedule.
+template <int M>
+static inline void sgemm_ukernel_8x48_avx512_m(index_t k, const float* a, index_t rsa, index_t csa,
+                                               const float* b, index_t ldb, float* c, index_t ldc, int nr,
+                                               bool accumulate) {
+  __m512 c0[M], c1[M], c2[M];
+#pragma GCC unroll 8
+  for (int r = 0; r < M; ++r) c0[r] = c1[r] = c2[r] = _mm512_setzero_ps();
+  for (index_t p = 0; p < k; ++p) {
+    const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16), b2 = _mm512_loadu_ps(b + 32);
+#pragma GCC unroll 8
+    for (int r = 0; r < M; ++r) {
+      const __m512 ar = _mm512_set1_ps(a[r * rsa]);
+      c0[r] = _mm512_fmadd_ps(ar, b0, c0[r]);
+      c1[r] = _mm512_fmadd_ps(ar, b1, c1[r]);
+      c2[r] = _mm512_fmadd_ps(ar, b2, c2[r]);
+    }
+    a += csa;
+    b += ldb;
+  }
+  const int n0 = nr < 16 ? nr : 16, n1 = nr < 32 ? (nr > 16 ? nr - 16 : 0) : 16, n2 = nr > 32 ? nr - 32 : 0;
+  const __mmask16 k0 = __mmask16((1u << n0) - 1), k1 = __mmask16((1u << n1) - 1), k2 = __mmask16((1u << n2) - 1);
+#pragma GCC unroll 8
+  for (int r = 0; r < M; ++r) {
+    float* cr = c + r * ldc;
+    if (accumulate) {
+      c0[r] = _mm512_add_ps(c0[r], _mm512_maskz_loadu_ps(k0, cr));
+      c1[r] = _mm512_add_ps(c1[r], _mm512_maskz_loadu_ps(k1, cr + 16));
+      c2[r] = _mm512_add_ps(c2[r], _mm512_maskz_loadu_ps(k2, cr + 32));
+    }
+    _mm512_mask_storeu_ps(cr, k0, c0[r]);
+    _mm512_mask_storeu_ps(cr + 16, k1, c1[r]);
+    _mm512_mask_storeu_ps(cr + 32, k2, c2[r]);
+  }
+}
+
+// ------------------------------------------------------------------ float64: 8 x 24 tile
+template <int M>
+static inline void dgemm_ukernel_8x24_avx512_m(index_t k, const double* a, index_t rsa, index_t csa,
+                                               const double* b, index_t ldb, double* c, index_t ldc, int nr,
+                                               bool accumulate) {
+  __m512d c0[M], c1[M], c2[M];
+#pragma GCC unroll 8
+  for (int r = 0; r < M; ++r) c0[r] = c1[r] = c2[r] = _mm512_setzero_pd();
+  for (index_t p = 0; p < k; ++p) {
+    const __m512d b0 = _mm512_loadu_pd(b), b1 = _mm512_loadu_pd(b + 8), b2 = _mm512_loadu_pd(b + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < M; ++r) {
+      const __m512d ar = _mm512_set1_pd(a[r * rsa]);
+      c0[r] = _mm512_fmadd_pd(ar, b0, c0[r]);
+      c1[r] = _mm512_fmadd_pd(ar, b1, c1[r]);
+      c2[r] = _mm512_fmadd_pd(ar, b2, c2[r]);
+    }
+    a += csa;
+    b += ldb;
+  }
+  const int n0 = nr < 8 ? nr : 8, n1 = nr < 16 ? (nr > 8 ? nr - 8 : 0) : 8, n2 = nr > 16 ? nr - 16 : 0;
+  const __mmask8 k0 = __mmask8((1u << n0) - 1), k1 = __mmask8((1u << n1) - 1), k2 = __mmask8((1u << n2) - 1);
+#pragma GCC unroll 8
+  for (int r = 0; r < M; ++r) {
+    double* cr = c + r * ldc;
+    if (accumulate) {
+      c0[r] = _mm512_add_pd(c0[r], _mm512_maskz_loadu_pd(k0, cr));
+      c1[r] = _mm512_add_pd(c1[r], _mm512_maskz_loadu_pd(k1, cr + 8));
+      c2[r] = _mm512_add_pd(c2[r], _mm512_maskz_loadu_pd(k2, cr + 16));
+    }
+    _mm512_mask_storeu_pd(cr, k0, c0[r]);
+    _mm512_mask_storeu_pd(cr + 8, k1, c1[r]);
+    _mm512_mask_storeu_pd(cr + 16, k2, c2[r]);
+  }
+}
+
+// exp2 for x <= 128: x = n + f, |f| <= 1/2; 2^f by its degree-7 (float) or degree-13 (double)
+// Taylor polynomial in f*ln2 (truncation below 0.1 ulp), then scalef multiplies by 2^n, which
+// also gives exact 0 for -inf (clamped to -150 / -1100) and lets NaN through.
+static inline __m512 exp2_ps(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-150.0f), x);  // operand order keeps NaN
+  x = _mm512_min_ps(_mm512_set1_ps(128.0f), x);
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5252733804059840e-05f);  // ln2^7/7!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381609e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512d exp2_pd(__m512d x) {
+  x = _mm512_max_pd(_mm512_set1_pd(-1100.0), x);
+  x = _mm512_min_pd(_mm512_set1_pd(1025.0), x);
+  const __m512d n = _mm512_roundscale_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512d f = _mm512_sub_pd(x, n);
+  static constexpr double c[14] = {1.0,
+                                   6.9314718055994530942e-01,
+                                   2.4022650695910071233e-01,
+                                   5.5504108664821579953e-02,
+                                   9.6181291076284771620e-03,
+                                   1.3333558146428443423e-03,
+                                   1.5403530393381609954e-04,
+                                   1.5252733804059840280e-05,
+                                   1.3215486790144309488e-06,
+                                   1.0178086009239699727e-07,
+                                   7.0549116208011233298e-09,
+                                   4.4455382718708114975e-10,
+                                   2.5678435993488202578e-11,
+                                   1.3691488853904124290e-12};
+  __m512d p = _mm512_set1_pd(c[13]);
+#pragma GCC unroll 13
+  for (int i = 12; i >= 0; --i) p = _mm512_fmadd_pd(p, f, _mm512_set1_pd(c[i]));
+  return _mm512_scalef_pd(p, n);
+}
+
+struct ExpF32 {
+  //   x[i] = exp2(x[i] - sub[i]); sum[i] += x[i]
+  static void exp2_sub_cols(float* x, const float* sub, float* sum, int n) {
+    for (int i = 0; i < n; i += 16) {
+      const __mmask16 m = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+      const __m512 e = exp2_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, sub + i)));
+      _mm512_mask_storeu_ps(x + i, m, e);
+      _mm512_mask_storeu_ps(sum + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, sum + i), e));
+    }
+  }
+  //   x[i] = exp2(x[i] - sub); return sum(x)
+  static float exp2_sub_sum(float* x, index_t n, float sub) {
+    const __m512 s = _mm512_set1_ps(sub);
+    __m512 acc = _mm512_setzero_ps();
+    for (index_t i = 0; i < n; i += 16) {
+      const __mmask16 m = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+      const __m512 e = exp2_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), s));
+      _mm512_mask_storeu_ps(x + i, m, e);
+      acc = _mm512_mask_add_ps(acc, m, acc, e);
+    }
+    return _mm512_reduce_add_ps(acc);
+  }
+};
+
+struct ExpF64 {
+  static void exp2_sub_cols(double* x, const double* sub, double* sum, int n) {
+    for (int i = 0; i < n; i += 8) {
+      const __mmask8 m = n - i >= 8 ? __mmask8(0xFF) : __mmask8((1u << (n - i)) - 1);
+      const __m512d e = exp2_pd(_mm512_sub_pd(_mm512_maskz_loadu_pd(m, x + i), _mm512_maskz_loadu_pd(m, sub + i)));
+      _mm512_mask_storeu_pd(x + i, m, e);
+      _mm512_mask_storeu_pd(sum + i, m, _mm512_add_pd(_mm512_maskz_loadu_pd(m, sum + i), e));
+    }
+  }
+  static double exp2_sub_sum(double* x, index_t n, double sub) {
+    const __m512d s = _mm512_set1_pd(sub);
+    __m512d acc = _mm512_setzero_pd();
+    for (index_t i = 0; i < n; i += 8) {
+      const __mmask8 m = n - i >= 8 ? __mmask8(0xFF) : __mmask8((1u << (n - i)) - 1);
+      const __m512d e = exp2_pd(_mm512_sub_pd(_mm512_maskz_loadu_pd(m, x + i), s));
+      _mm512_mask_storeu_pd(x + i, m, e);
+      acc = _mm512_mask_add_pd(acc, m, acc, e);
+    }
+    return _mm512_reduce_add_pd(acc);
+  }
+};
+
+#define PYATTN_UKERNEL_SWITCH(NAME)                         \
+  switch (mr) {                                             \
+    case 8: return NAME<8>(k, a, rsa, csa, b, ldb, c, ldc, nr, acc); \
+    case 7: return NAME<7>(k, a, rsa, csa, b, ldb, c, ldc, nr, acc); \
+    case 6: return NAME<6>(k, a, rsa, csa, b, ldb, c, ldc, nr, acc); \
+    case 5: return NAME<5>(k, a, rsa, csa, b, ldb, c, ldc, nr, acc); \
+    case 4: return NAME<4>(k, a, rsa, csa, b, ldb, c, ldc, nr, acc); \
+    case 3: return NAME<3>(k, a, rsa, csa, b, ldb, c, ldc, nr, acc); \
+    case 2: return NAME<2>(k, a, rsa, csa, b, ldb, c, ldc, nr, acc); \
+    default: return NAME<1>(k, a, rsa, csa, b, ldb, c, ldc, nr, acc); \
+  }
+
+// Block sizes (see the sweep in the README's performance section):
+//  KC: an 8 x KC A micro-panel (8 KiB at KC = 256) stays in L1 across the NC/NR B panels;
+//  NC: a KC x NC packed B block (480 KiB) stays in the 1 MiB L2;
+//  BK: a BK x 48 score tile (48 KiB at 256) lives in L1/L2 between the two attention GEMMs.
+struct sgemm_8x48_avx512 : ExpF32 {
+  using T = float;
+  static constexpr int MR = 8, NR = 48;
+  static constexpr index_t MC = 240, KC = 256, NC = 480, BK = 256;
+  static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
+                      index_t ldc, int nr, bool acc) {
+    PYATTN_UKERNEL_SWITCH(sgemm_ukernel_8x48_avx512_m)
+  }
+};
+struct dgemm_8x24_avx512 : ExpF64 {
+  using T = double;
+  static constexpr int MR = 8, NR = 24;
+  static constexpr index_t MC = 120, KC = 256, NC = 240, BK = 128;
+  static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
+                      index_t ldc, int nr, bool acc) {
+    PYATTN_UKERNEL_SWITCH(dgemm_ukernel_8x24_avx512_m)
+  }
+};
+#undef PYATTN_UKERNEL_SWITCH
+
+#include "frame/instantiate.h"
+
+}  // namespace avx512
+
+const IsaTable isa_avx512 = avx512::make_table<avx512::sgemm_8x48_avx512, avx512::dgemm_8x24_avx512>("avx512");
+
+}  // namespace pyattn

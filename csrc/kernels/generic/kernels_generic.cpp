@@ -1,0 +1,73 @@
+// Portable kernels: plain C++ the compiler may vectorise for the baseline ISA. They are the
+// fallback on any CPU and the reference the SIMD paths are tested against.
+#include "kernels/std_includes.h"
+
+namespace pyattn {
+namespace generic {
+
+#include "frame/common.h"
+
+// C[mr x nr] (+)= A[mr x k] B[k x NR]; A read through (rsa, csa), B rows NR wide (ldb apart).
+template <class T, int MR, int NR>
+inline void gemm_ukernel_ref(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb,
+                             T* c, index_t ldc, int nr, bool accumulate) {
+  T acc[MR][NR] = {};
+  for (index_t p = 0; p < k; ++p) {
+    const T* bp = b + p * ldb;
+    for (int r = 0; r < mr; ++r) {
+      const T av = a[r * rsa + p * csa];
+      for (int j = 0; j < NR; ++j) acc[r][j] += av * bp[j];
+    }
+  }
+  for (int r = 0; r < mr; ++r)
+    for (int j = 0; j < nr; ++j) c[r * ldc + j] = accumulate ? c[r * ldc + j] + acc[r][j] : acc[r][j];
+}
+
+template <class T>
+struct GenericKernels {
+  using Tp = T;
+  //   x[i] = exp2(x[i] - sub[i]); sum[i] += x[i]
+  static void exp2_sub_cols(T* x, const T* sub, T* sum, int n) {
+    for (int i = 0; i < n; ++i) {
+      x[i] = std::exp2(x[i] - sub[i]);
+      sum[i] += x[i];
+    }
+  }
+  //   x[i] = exp2(x[i] - sub); return sum(x)
+  static T exp2_sub_sum(T* x, index_t n, T sub) {
+    T s = T(0);
+    for (index_t i = 0; i < n; ++i) {
+      x[i] = std::exp2(x[i] - sub);
+      s += x[i];
+    }
+    return s;
+  }
+};
+
+// Block sizes: register tile MR x NR, cache blocks MC x KC x NC, attention key block BK.
+struct sgemm_4x16_generic : GenericKernels<float> {
+  using T = float;
+  static constexpr int MR = 4, NR = 16;
+  static constexpr index_t MC = 128, KC = 256, NC = 512, BK = 128;
+  static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
+                      index_t ldc, int nr, bool accumulate) {
+    gemm_ukernel_ref<T, MR, NR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, accumulate);
+  }
+};
+struct dgemm_4x8_generic : GenericKernels<double> {
+  using T = double;
+  static constexpr int MR = 4, NR = 8;
+  static constexpr index_t MC = 128, KC = 256, NC = 256, BK = 128;
+  static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
+                      index_t ldc, int nr, bool accumulate) {
+    gemm_ukernel_ref<T, MR, NR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, accumulate);
+  }
+};
+
+#include "frame/instantiate.h"
+
+}  // namespace generic
+
+const IsaTable isa_generic = generic::make_table<generic::sgemm_4x16_generic, generic::dgemm_4x8_generic>("generic");
+
+}  // namespace pyattn

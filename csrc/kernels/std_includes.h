@@ -1,0 +1,10 @@
+// Standard and OpenMP headers every kernel translation unit needs, included *before* the
+// per-ISA namespace opens (the frame headers are included inside it).
+#pragma once
+#include <omp.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "frame/api.h"

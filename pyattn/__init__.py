@@ -1,0 +1,55 @@
+"""pyattn: fast exact scaled dot-product attention for CPU inference, NumPy in and out.
+
+The compute runs in a C++17 core (``pyattn._core``): a packed, cache-blocked, OpenMP-parallel
+GEMM with per-ISA SIMD micro-kernels (AVX-512, AVX2+FMA, portable) chosen at import, a fused
+softmax, and a flash-style fused attention kernel. ``pyattn.reference`` holds the same
+functions in plain NumPy (float64), the oracle of the tests.
+"""
+from __future__ import annotations
+
+from . import _core
+from ._api import (
+    get_num_threads,
+    matmul,
+    num_threads,
+    scaled_dot_product_attention,
+    set_num_threads,
+    show_config,
+    softmax,
+)
+from ._nn import (
+    MultiHeadAttention,
+    additive_attention,
+    multi_head_attention,
+    sinusoidal_positional_encoding,
+)
+
+try:
+    from importlib.metadata import version as _version
+
+    __version__ = _version("pyattn")
+except Exception:  # pragma: no cover - running from a source tree without metadata
+    __version__ = getattr(_core, "__version__", "0.0.0")
+
+__all__ = [
+    "scaled_dot_product_attention",
+    "multi_head_attention",
+    "MultiHeadAttention",
+    "softmax",
+    "matmul",
+    "sinusoidal_positional_encoding",
+    "additive_attention",
+    "set_num_threads",
+    "get_num_threads",
+    "num_threads",
+    "show_config",
+    "reference",
+]
+
+
+def __getattr__(name):
+    if name == "reference":  # imported on first use: plain NumPy, not needed by the fast path
+        import importlib
+
+        return importlib.import_module(".reference", __name__)
+    raise AttributeError(f"module 'pyattn' has no attribute {name!r}")

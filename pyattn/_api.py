@@ -1,0 +1,331 @@
+"""Public functions: validation here, computation in the C++ core (pyattn._core)."""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import platform
+import sys
+import warnings
+
+import numpy as np
+
+try:
+    from numpy.lib.array_utils import normalize_axis_index
+except ImportError:  # NumPy < 2
+    from numpy.core.multiarray import normalize_axis_index
+
+from . import _core
+from ._validate import (
+    F32,
+    F64,
+    broadcast_lead,
+    cast,
+    check_out,
+    compute_dtype,
+    elem_strides,
+    float_array,
+    lead_offsets,
+    mask_array,
+    overlaps,
+    positive_int,
+    strided_ok,
+    unit_last,
+)
+
+__all__ = [
+    "scaled_dot_product_attention",
+    "softmax",
+    "matmul",
+    "set_num_threads",
+    "get_num_threads",
+    "num_threads",
+    "show_config",
+]
+
+_CAUSAL = {"top_left": 1, "bottom_right": 2}
+
+_env_isa = os.environ.get("PYATTN_ISA")
+if _env_isa and _env_isa not in _core.available_isas():
+    warnings.warn(
+        f"PYATTN_ISA={_env_isa!r} is not available on this CPU (available: "
+        f"{_core.available_isas()}); using {_core.isa()!r}",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def scaled_dot_product_attention(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    *,
+    is_causal=False,
+    causal_align="top_left",
+    scale=None,
+    enable_gqa=False,
+    return_weights=False,
+    return_lse=False,
+    out=None,
+):
+    """Exact ``softmax(Q K^T * scale + mask) V`` without materialising the scores.
+
+    Shapes: query ``(..., Hq, Lq, E)``, key ``(..., Hkv, Lk, E)``, value ``(..., Hkv, Lk, Ev)``;
+    leading axes broadcast. ``attn_mask`` broadcasts to ``(..., Hq, Lq, Lk)``: bool True = may
+    attend, float is added to the scaled scores. ``is_causal`` hides keys after the query
+    (``causal_align="top_left"``: key j <= i; ``"bottom_right"``: j <= i + Lk - Lq) and combines
+    with ``attn_mask``. ``enable_gqa`` lets Hq be a multiple of Hkv (query head h reads kv head
+    ``h // (Hq // Hkv)``). ``scale`` defaults to ``1/sqrt(E)``.
+
+    Returns the output ``(..., Hq, Lq, Ev)``; with ``return_weights`` also the weights
+    ``(..., Hq, Lq, Lk)``, with ``return_lse`` also the natural-log log-sum-exp ``(..., Hq, Lq)``
+    of each row (``-inf`` where no key is visible; such rows output zeros).
+    """
+    q = float_array(query, "query")
+    k = float_array(key, "key")
+    v = float_array(value, "value")
+    for a, name in ((q, "query"), (k, "key"), (v, "value")):
+        if a.ndim < 2:
+            raise ValueError(f"{name} must have at least 2 dimensions (..., L, E); got shape {a.shape}")
+    dtype = compute_dtype(q, k, v)
+    Lq, E = q.shape[-2:]
+    Lk, Ek = k.shape[-2:]
+    Lv, Ev = v.shape[-2:]
+    if Ek != E:
+        raise ValueError(f"key has feature size {Ek} (shape {k.shape}); expected E = {E} from query {q.shape}")
+    if Lv != Lk:
+        raise ValueError(f"value has length {Lv} (shape {v.shape}); expected Lk = {Lk} from key {k.shape}")
+    if causal_align not in _CAUSAL:
+        raise ValueError(f"causal_align must be 'top_left' or 'bottom_right'; got {causal_align!r}")
+
+    group = 1
+    if enable_gqa:
+        for a, name in ((q, "query"), (k, "key"), (v, "value")):
+            if a.ndim < 3:
+                raise ValueError(f"enable_gqa needs a heads axis: {name} must be (..., H, L, E); got {a.shape}")
+        Hq, Hkv = q.shape[-3], k.shape[-3]
+        if v.shape[-3] != Hkv:
+            raise ValueError(f"value has {v.shape[-3]} heads (shape {v.shape}); expected {Hkv} like key")
+        if Hkv == 0 or Hq % Hkv:
+            raise ValueError(
+                f"enable_gqa: query heads ({Hq}, shape {q.shape}) must be a multiple of key/value heads "
+                f"({Hkv}, shape {k.shape})"
+            )
+        group = Hq // Hkv
+        outer = broadcast_lead(
+            (q.shape[:-3], k.shape[:-3], v.shape[:-3]), ("query", "key", "value"), "scaled_dot_product_attention"
+        )
+        lead = outer + (Hq,)
+        kv_lead = outer + (Hkv,)
+    else:
+        lead = broadcast_lead(
+            (q.shape[:-2], k.shape[:-2], v.shape[:-2]), ("query", "key", "value"), "scaled_dot_product_attention"
+        )
+        kv_lead = lead
+
+    out_shape = lead + (Lq, Ev)
+    if out is not None:
+        check_out(out, out_shape, dtype)
+    if scale is None:
+        scale = 1.0 / math.sqrt(E) if E > 0 else 1.0
+    scale = float(scale)
+
+    mask_kind, m = 0, None
+    if attn_mask is not None:
+        mask_kind, m = mask_array(attn_mask, "attn_mask", dtype)
+        try:
+            m = np.broadcast_to(m, lead + (Lq, Lk))
+        except ValueError:
+            raise ValueError(
+                f"attn_mask has shape {np.shape(attn_mask)}; expected a shape broadcastable to {lead + (Lq, Lk)}"
+            ) from None
+        m = strided_ok(m)
+
+    nlead = len(lead)
+    bh = int(np.prod(lead, dtype=np.int64))
+    result = out if out is not None else np.empty(out_shape, dtype)
+    weights = np.zeros(lead + (Lq, Lk), dtype) if return_weights else None
+    lse = np.empty(lead + (Lq,), dtype) if return_lse else None
+
+    if bh and Lq and Ev:
+        if Lk == 0:
+            result[...] = 0
+            if lse is not None:
+                lse[...] = -np.inf
+        else:
+            target = result
+            if result.strides[-1] != result.itemsize or any(s % result.itemsize for s in result.strides) or overlaps(
+                result, q, k, v, m
+            ):
+                target = np.empty(out_shape, dtype)
+            qb = unit_last(np.broadcast_to(cast(q, dtype), lead + (Lq, E)))
+            kb = unit_last(np.broadcast_to(cast(k, dtype), kv_lead + (Lk, E)))
+            vb = unit_last(np.broadcast_to(cast(v, dtype), kv_lead + (Lk, Ev)))
+            koff, voff = lead_offsets(kb, nlead), lead_offsets(vb, nlead)
+            if group > 1:
+                koff = np.repeat(koff.reshape(-1, kb.shape[nlead - 1]), group, axis=1).reshape(-1)
+                voff = np.repeat(voff.reshape(-1, vb.shape[nlead - 1]), group, axis=1).reshape(-1)
+            ms = elem_strides(m)[-2:] if m is not None else (0, 0)
+            _core.attention(
+                qb, kb, vb, target, bh, Lq, Lk, E, Ev, group,
+                lead_offsets(qb, nlead), elem_strides(qb)[-2],
+                koff, elem_strides(kb)[-2],
+                voff, elem_strides(vb)[-2],
+                lead_offsets(target, nlead), elem_strides(target)[-2],
+                mask_kind, m, lead_offsets(m, nlead) if m is not None else None, ms[0], ms[1],
+                lse, lead_offsets(lse, nlead) if lse is not None else None, 1,
+                weights, lead_offsets(weights, nlead) if weights is not None else None, Lk,
+                scale, _CAUSAL[causal_align] if is_causal else 0,
+            )  # fmt: skip
+            if target is not result:
+                result[...] = target
+    if not (return_weights or return_lse):
+        return result
+    extra = tuple(x for x in (weights, lse) if x is not None)
+    return (result,) + extra
+
+
+# ----------------------------------------------------------------------------- softmax
+
+
+def softmax(x, axis=-1, *, scale=None, mask=None, out=None):
+    """Numerically stable ``softmax(x * scale + mask)`` along ``axis``, fused in one pass.
+
+    ``mask`` broadcasts to ``x.shape``: bool True = keep, float is added after scaling. A slice
+    in which every entry is masked gives zeros.
+    """
+    a = float_array(x, "x")
+    if a.ndim == 0:
+        raise ValueError("x must have at least 1 dimension; got a scalar")
+    ax = normalize_axis_index(axis, a.ndim, "axis")
+    dtype = compute_dtype(a)
+    result = np.empty(a.shape, dtype) if out is None else check_out(out, a.shape, dtype)
+    mask_kind, m = 0, None
+    if mask is not None:
+        mask_kind, m = mask_array(mask, "mask", dtype)
+        try:
+            m = np.broadcast_to(m, a.shape)
+        except ValueError:
+            raise ValueError(f"mask has shape {np.shape(mask)}; expected a shape broadcastable to {a.shape}") from None
+        m = strided_ok(np.moveaxis(m, ax, -1))
+    if a.size == 0:
+        return result
+    target = result
+    if any(s % result.itemsize for s in result.strides) or (out is not None and overlaps(result, m)):
+        target = np.empty(a.shape, dtype)
+    xs = strided_ok(np.moveaxis(cast(a, dtype), ax, -1))
+    ts = np.moveaxis(target, ax, -1)
+    nl = a.ndim - 1
+    rows = int(np.prod(xs.shape[:-1], dtype=np.int64))
+    _core.softmax(
+        xs, ts, rows, xs.shape[-1],
+        lead_offsets(xs, nl), elem_strides(xs)[-1],
+        lead_offsets(ts, nl), elem_strides(ts)[-1],
+        mask_kind, m, lead_offsets(m, nl) if m is not None else None, elem_strides(m)[-1] if m is not None else 0,
+        1.0 if scale is None else float(scale),
+    )  # fmt: skip
+    if target is not result:
+        result[...] = target
+    return result
+
+
+# ----------------------------------------------------------------------------- matmul
+
+
+def matmul(a, b, *, out=None):
+    """``np.matmul`` semantics (1-D operands, broadcast batches) on pyattn's GEMM.
+
+    float32 and float64 natively; mixed inputs promote as NumPy does.
+    """
+    x = float_array(a, "a")
+    y = float_array(b, "b")
+    if x.ndim == 0 or y.ndim == 0:
+        raise ValueError("matmul: operands must have at least 1 dimension (got a scalar)")
+    dtype = compute_dtype(x, y)
+    xa = x[None, :] if x.ndim == 1 else x
+    yb = y[:, None] if y.ndim == 1 else y
+    m, k = xa.shape[-2:]
+    k2, n = yb.shape[-2:]
+    if k != k2:
+        raise ValueError(f"matmul: a has shape {x.shape} and b has shape {y.shape}; inner sizes {k} and {k2} differ")
+    batch = broadcast_lead((xa.shape[:-2], yb.shape[:-2]), ("a", "b"), "matmul")
+    full = batch + (m, n)
+    final = full
+    if x.ndim == 1:
+        final = final[:-2] + final[-1:]
+    if y.ndim == 1:
+        final = final[:-1]
+    if out is not None:
+        check_out(out, final, dtype)
+    direct = (
+        out is not None
+        and out.shape == full
+        and not any(st % out.itemsize for st in out.strides)
+        and not overlaps(out, x, y)
+    )
+    c = out if direct else np.empty(full, dtype)
+    xa = strided_ok(np.broadcast_to(cast(xa, dtype), batch + (m, k)))
+    yb = strided_ok(np.broadcast_to(cast(yb, dtype), batch + (k, n)))
+    nl = len(batch)
+    nb = int(np.prod(batch, dtype=np.int64))
+    sa, sb, sc = elem_strides(xa), elem_strides(yb), elem_strides(c)
+    _core.gemm(
+        xa, yb, c, m, n, k, sa[-2], sa[-1], sb[-2], sb[-1], sc[-2], sc[-1], nb,
+        lead_offsets(xa, nl) if nl else None, lead_offsets(yb, nl) if nl else None, lead_offsets(c, nl) if nl else None,
+    )  # fmt: skip
+    if out is not None:
+        if not direct:
+            out[...] = c.reshape(final)
+        return out
+    return c.reshape(final)
+
+
+# ----------------------------------------------------------------------------- threads & config
+
+
+def set_num_threads(n: int) -> None:
+    """Threads used by every pyattn kernel from now on (process-wide)."""
+    _core.set_num_threads(positive_int(n, "n"))
+
+
+def get_num_threads() -> int:
+    """Threads pyattn kernels use (default: OpenMP's, i.e. ``OMP_NUM_THREADS`` or the cores)."""
+    return _core.get_num_threads()
+
+
+@contextlib.contextmanager
+def num_threads(n: int):
+    """Context manager: run the block with ``n`` threads, then restore the previous count."""
+    n = positive_int(n, "n")
+    old = _core.get_num_threads()
+    _core.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        _core.set_num_threads(old)
+
+
+def show_config(*, file=None) -> dict:
+    """Print and return the build and run-time configuration."""
+    from . import __version__
+
+    cfg = {
+        "version": __version__,
+        "isa": _core.isa(),
+        "isas_available": list(_core.available_isas()),
+        "isa_forced_by": "PYATTN_ISA" if os.environ.get("PYATTN_ISA") else None,
+        "threads": get_num_threads(),
+        "compiler": _core.compiler,
+        "numpy": np.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+    }
+    width = max(len(k) for k in cfg)
+    for k, v in cfg.items():
+        print(f"{k:>{width}} : {v}", file=file or sys.stdout)
+    return cfg

@@ -1,0 +1,100 @@
+"""Argument checking and normalisation shared by the public functions.
+
+Everything the C++ core receives is prepared here: float32/float64 arrays whose feature axis
+has unit stride, element strides, and per-matrix offsets for any leading (batch) axes, with
+broadcast axes read at stride 0 and never materialised.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+F32 = np.dtype(np.float32)
+F64 = np.dtype(np.float64)
+
+
+def float_array(x, name: str) -> np.ndarray:
+    """``np.asarray(x)``, refusing anything but real floating point."""
+    a = np.asarray(x)
+    if a.dtype.kind != "f":
+        raise TypeError(f"{name} must be a float32 or float64 array; got dtype {a.dtype}")
+    if a.dtype.itemsize > 8:
+        raise TypeError(f"{name}: dtype {a.dtype} is not supported (use float32 or float64)")
+    return a
+
+
+def compute_dtype(*arrays: np.ndarray) -> np.dtype:
+    """NumPy promotion of the inputs; float16 computes (and returns) as float32."""
+    dt = np.result_type(*arrays)
+    return F64 if dt == F64 else F32
+
+
+def cast(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    return a if a.dtype == dtype else a.astype(dtype)
+
+
+def elem_strides(a: np.ndarray) -> tuple:
+    return tuple(s // a.itemsize for s in a.strides)
+
+
+def strided_ok(a: np.ndarray) -> np.ndarray:
+    """A view whose strides are whole elements (copies the rare view that is not)."""
+    if any(s % a.itemsize for s in a.strides):
+        return np.ascontiguousarray(a)
+    return a
+
+
+def unit_last(a: np.ndarray) -> np.ndarray:
+    """A view with unit stride on the last axis (copies only when that axis is strided)."""
+    if a.ndim and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+        return np.ascontiguousarray(a)
+    return strided_ok(a)
+
+
+def lead_offsets(a: np.ndarray, nlead: int) -> np.ndarray:
+    """Element offset of every matrix over the first ``nlead`` axes, in C order (int64)."""
+    off = np.zeros((), np.int64)
+    for n, s in zip(a.shape[:nlead], a.strides[:nlead]):
+        off = off[..., None] + np.arange(n, dtype=np.int64) * (s // a.itemsize)
+    return np.ascontiguousarray(off.reshape(-1))
+
+
+def broadcast_lead(shapes, names, what: str) -> tuple:
+    try:
+        return tuple(np.broadcast_shapes(*shapes))
+    except ValueError:
+        seen = ", ".join(f"{n} {tuple(s)}" for n, s in zip(names, shapes))
+        raise ValueError(f"{what}: batch dimensions are not broadcastable ({seen})") from None
+
+
+def check_out(out, shape: tuple, dtype: np.dtype, name: str = "out") -> np.ndarray:
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray; got {type(out).__name__}")
+    if out.shape != tuple(shape):
+        raise ValueError(f"{name} has shape {out.shape}; expected {tuple(shape)}")
+    if out.dtype != dtype:
+        raise TypeError(f"{name} has dtype {out.dtype}; expected {dtype}")
+    if not out.flags.writeable:
+        raise ValueError(f"{name} is read-only")
+    return out
+
+
+def overlaps(out: np.ndarray, *inputs) -> bool:
+    return any(i is not None and np.may_share_memory(out, i) for i in inputs)
+
+
+def mask_array(mask, name: str, dtype: np.dtype):
+    """(kind, array): kind 1 for bool masks (True = may attend), 2 for additive float masks."""
+    m = np.asarray(mask)
+    if m.dtype == np.bool_:
+        return 1, m.view(np.uint8)
+    if m.dtype.kind == "f":
+        return 2, cast(m, dtype)
+    raise TypeError(f"{name} must be a bool or float array; got dtype {m.dtype}")
+
+
+def positive_int(n, name: str) -> int:
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"{name} must be an int; got {type(n).__name__}")
+    if n < 1:
+        raise ValueError(f"{name} must be >= 1; got {n}")
+    return int(n)
