@@ -252,7 +252,30 @@ struct Attention {
     const T* vbase = V + a.voff[h0];
     for (index_t k0 = j0; k0 < j1; k0 += DB) {
       const index_t kb = min_of<index_t>(DB, j1 - k0);
-      for (index_t j = 0; j < kb; ++j) {
+      // s[x, j] = q_x . k_j, four keys at a time: four independent vector accumulators hide
+      // the FMA latency and each q_x load serves four keys.
+      index_t j = 0;
+      for (; j + 4 <= kb; j += 4) {
+        const T* k0r = kbase + (k0 + j) * a.k_rs;
+        const T *k1r = k0r + a.k_rs, *k2r = k1r + a.k_rs, *k3r = k2r + a.k_rs;
+        for (index_t x = 0; x < r.R; ++x) {
+          const T* qx = r.q + x * E;
+          T s0 = T(0), s1 = T(0), s2 = T(0), s3 = T(0);
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+          for (index_t e = 0; e < E; ++e) {
+            s0 += qx[e] * k0r[e];
+            s1 += qx[e] * k1r[e];
+            s2 += qx[e] * k2r[e];
+            s3 += qx[e] * k3r[e];
+          }
+          T* sx = r.s + x * DB + j;
+          sx[0] = s0;
+          sx[1] = s1;
+          sx[2] = s2;
+          sx[3] = s3;
+        }
+      }
+      for (; j < kb; ++j) {
         const T* kr = kbase + (k0 + j) * a.k_rs;
         for (index_t x = 0; x < r.R; ++x) {
           const T* qx = r.q + x * E;
@@ -290,7 +313,20 @@ struct Attention {
           for (index_t d = 0; d < Ev; ++d) ax[d] *= alpha;
         }
       }
-      for (index_t j = 0; j < kb; ++j) {
+      // acc_x += sum_j p[x, j] v_j, four value rows per pass over acc_x.
+      j = 0;
+      for (; j + 4 <= kb; j += 4) {
+        const T* v0 = vbase + (k0 + j) * a.v_rs;
+        const T *v1 = v0 + a.v_rs, *v2 = v1 + a.v_rs, *v3 = v2 + a.v_rs;
+        for (index_t x = 0; x < r.R; ++x) {
+          const T* px = r.s + x * DB + j;
+          const T p0 = px[0], p1 = px[1], p2 = px[2], p3 = px[3];
+          T* ax = r.acc + x * Ev;
+#pragma omp simd
+          for (index_t d = 0; d < Ev; ++d) ax[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+        }
+      }
+      for (; j < kb; ++j) {
         const T* vr = vbase + (k0 + j) * a.v_rs;
         for (index_t x = 0; x < r.R; ++x) {
           const T p = r.s[x * DB + j];

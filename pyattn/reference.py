@@ -1,0 +1,313 @@
+"""Plain-NumPy reference implementation of pyattn (the oracle).
+
+Every function here mirrors the public function of the same name in :mod:`pyattn`
+and is written to read like the formulas::
+
+    scores  = Q K^T * scale (+ mask)           (..., Lq, Lk)
+    weights = softmax(scores, axis=-1)          (..., Lq, Lk)
+    output  = weights V                         (..., Lq, Ev)
+
+It always computes in float64 and returns float64, materialises the full
+``Lq x Lk`` score matrix, and validates very little.  It is the oracle of the
+parity tests and the baseline of the benchmarks; read it to see exactly what
+the fast path computes.
+
+Conventions (as in the API contract):
+
+* a bool mask means ``True = may attend``; a float mask is *added* to the
+  scaled scores (``-inf`` forbids);
+* ``key_padding_mask`` (B, Lk) bool means ``True = padding`` (ignored);
+* ``is_causal`` with ``causal_align="top_left"``: query i sees keys j <= i;
+  ``causal_align="bottom_right"``: query i sees keys j <= i + Lk - Lq;
+* a query row with no key it may attend to gives zeros (weights 0, lse -inf).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = [
+    "scaled_dot_product_attention",
+    "multi_head_attention",
+    "softmax",
+    "matmul",
+    "sinusoidal_positional_encoding",
+    "additive_attention",
+    "causal_mask",
+    "logsumexp",
+]
+
+
+def _f64(x):
+    return np.asarray(x, dtype=np.float64)
+
+
+def _additive(mask):
+    """A mask as an additive float64 array: bool True -> 0, False -> -inf."""
+    mask = np.asarray(mask)
+    if mask.dtype == np.bool_:
+        return np.where(mask, 0.0, -np.inf)
+    return mask.astype(np.float64)
+
+
+def causal_mask(lq, lk, causal_align="top_left"):
+    """Bool (Lq, Lk) mask, True where query i may see key j.
+
+    top_left:      j <= i
+    bottom_right:  j <= i + Lk - Lq
+    """
+    if causal_align == "top_left":
+        offset = 0
+    elif causal_align == "bottom_right":
+        offset = lk - lq
+    else:
+        raise ValueError(
+            f"causal_align must be 'top_left' or 'bottom_right', got {causal_align!r}"
+        )
+    i = np.arange(lq)[:, None]
+    j = np.arange(lk)[None, :]
+    return j <= i + offset
+
+
+def logsumexp(scores, axis=-1):
+    """log(sum(exp(scores))) along ``axis``; -inf for rows that are all -inf (or empty)."""
+    scores = _f64(scores)
+    m = np.max(scores, axis=axis, keepdims=True, initial=-np.inf)
+    m_safe = np.where(np.isneginf(m), 0.0, m)
+    s = np.sum(np.exp(scores - m_safe), axis=axis, keepdims=True)
+    with np.errstate(divide="ignore"):
+        lse = m_safe + np.log(s)
+    return np.squeeze(lse, axis=axis)
+
+
+def _softmax_rows(scores, axis=-1):
+    """softmax(scores) along ``axis``; rows that are all -inf (or empty) give zeros.
+
+    Returns (weights, lse).
+    """
+    m = np.max(scores, axis=axis, keepdims=True, initial=-np.inf)
+    m_safe = np.where(np.isneginf(m), 0.0, m)  # all-masked row: exp(-inf - 0) = 0
+    e = np.exp(scores - m_safe)
+    s = np.sum(e, axis=axis, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        weights = np.where(s > 0, e / np.where(s > 0, s, 1.0), 0.0)
+        weights = np.where(np.isnan(s), np.nan, weights)  # NaN propagates
+        lse = m_safe + np.log(s)
+    return weights, np.squeeze(lse, axis=axis)
+
+
+def softmax(x, axis=-1, *, scale=None, mask=None):
+    """softmax(x * scale + mask) along ``axis``.
+
+    x: any shape; mask: broadcastable to x (bool True = keep, float = added).
+    Fully masked rows give zeros.  Returns float64 of x's shape.
+    """
+    x = _f64(x)
+    z = x if scale is None else x * float(scale)
+    if mask is not None:
+        z = z + _additive(mask)
+    weights, _ = _softmax_rows(z, axis=axis)
+    return weights
+
+
+def matmul(a, b):
+    """a @ b with np.matmul semantics, in float64."""
+    return np.matmul(_f64(a), _f64(b))
+
+
+def scaled_dot_product_attention(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    *,
+    is_causal=False,
+    causal_align="top_left",
+    scale=None,
+    enable_gqa=False,
+    return_weights=False,
+    return_lse=False,
+):
+    """softmax(Q K^T * scale + mask) V.
+
+    query (..., Hq, Lq, E), key (..., Hkv, Lk, E), value (..., Hkv, Lk, Ev);
+    attn_mask broadcastable to (..., Hq, Lq, Lk).  With enable_gqa, query head h
+    uses kv head h // (Hq // Hkv).
+
+    Returns output (..., Hq, Lq, Ev) and, in this order when asked, the weights
+    (..., Hq, Lq, Lk) and the row log-sum-exp (..., Hq, Lq) of the scaled,
+    masked scores.
+    """
+    q, k, v = _f64(query), _f64(key), _f64(value)
+    lq, e = q.shape[-2], q.shape[-1]
+    lk = k.shape[-2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(e) if e > 0 else 1.0
+
+    if enable_gqa and q.ndim >= 3 and k.ndim >= 3:
+        hq, hkv = q.shape[-3], k.shape[-3]
+        if hq != hkv:
+            group = hq // hkv
+            k = np.repeat(k, group, axis=-3)  # kv head h // group serves query head h
+            v = np.repeat(v, group, axis=-3)
+
+    scores = np.matmul(q, np.swapaxes(k, -1, -2)) * scale  # (..., Lq, Lk)
+    if attn_mask is not None:
+        scores = scores + _additive(attn_mask)
+    if is_causal:
+        scores = np.where(causal_mask(lq, lk, causal_align), scores, -np.inf)
+
+    weights, lse = _softmax_rows(scores, axis=-1)
+    out = np.matmul(weights, v)  # (..., Lq, Ev); Lk = 0 gives zeros
+
+    if not (return_weights or return_lse):
+        return out
+    result = (out,)
+    if return_weights:
+        result += (weights,)
+    if return_lse:
+        result += (lse,)
+    return result
+
+
+def multi_head_attention(
+    query,
+    key,
+    value,
+    num_heads,
+    w_q,
+    w_k,
+    w_v,
+    w_o,
+    b_q=None,
+    b_k=None,
+    b_v=None,
+    b_o=None,
+    *,
+    num_kv_heads=None,
+    attn_mask=None,
+    key_padding_mask=None,
+    is_causal=False,
+    causal_align="top_left",
+    need_weights=False,
+    average_attn_weights=True,
+):
+    """Multi-head attention, row-vector convention, batch first.
+
+    query (B, Lq, Eq), key (B, Lk, Ek), value (B, Lk, Ev), or unbatched (L, E).
+    Q = query @ w_q + b_q   w_q (Eq, H*D)
+    K = key   @ w_k + b_k   w_k (Ek, Hkv*D)
+    V = value @ w_v + b_v   w_v (Ev, Hkv*Dv)
+    heads attended, concatenated (B, Lq, H*Dv), then @ w_o + b_o.
+
+    attn_mask broadcasts to (B, H, Lq, Lk) (torch's (B*H, Lq, Lk) is accepted);
+    key_padding_mask (B, Lk) True = padding.
+    Returns (output, weights) where weights is None unless need_weights; then
+    (B, Lq, Lk) averaged over heads, or (B, H, Lq, Lk).
+    """
+    q_in, k_in, v_in = _f64(query), _f64(key), _f64(value)
+    unbatched = q_in.ndim == 2
+    if unbatched:
+        q_in, k_in, v_in = q_in[None], k_in[None], v_in[None]
+    h = int(num_heads)
+    hkv = h if num_kv_heads is None else int(num_kv_heads)
+    w_q, w_k, w_v, w_o = _f64(w_q), _f64(w_k), _f64(w_v), _f64(w_o)
+    d = w_q.shape[1] // h
+    dv = w_v.shape[1] // hkv
+
+    def project(x, w, b):
+        y = x @ w
+        return y if b is None else y + _f64(b)
+
+    Q = project(q_in, w_q, b_q)  # (B, Lq, H*D)
+    K = project(k_in, w_k, b_k)  # (B, Lk, Hkv*D)
+    V = project(v_in, w_v, b_v)  # (B, Lk, Hkv*Dv)
+    bsz, lq, lk = Q.shape[0], Q.shape[1], K.shape[1]
+
+    def split_heads(x, heads, dim):  # (B, L, heads*dim) -> (B, heads, L, dim)
+        return x.reshape(x.shape[0], x.shape[1], heads, dim).transpose(0, 2, 1, 3)
+
+    Qh, Kh, Vh = split_heads(Q, h, d), split_heads(K, hkv, d), split_heads(V, hkv, dv)
+
+    mask = None
+    if attn_mask is not None:
+        m = _additive(attn_mask)
+        if m.ndim == 3 and not unbatched and m.shape[0] == bsz * h and bsz * h != h:
+            m = m.reshape(bsz, h, lq, lk)  # torch's (B*H, Lq, Lk)
+        mask = m
+    if key_padding_mask is not None:
+        kpm = np.asarray(key_padding_mask)
+        if kpm.dtype == np.bool_:
+            kpm = np.where(kpm, -np.inf, 0.0)  # True = padding
+        else:
+            kpm = kpm.astype(np.float64)
+        if unbatched:
+            kpm = kpm[None]
+        kpm = kpm[:, None, None, :]  # (B, 1, 1, Lk)
+        mask = kpm if mask is None else mask + kpm
+
+    out, weights = scaled_dot_product_attention(
+        Qh,
+        Kh,
+        Vh,
+        mask,
+        is_causal=is_causal,
+        causal_align=causal_align,
+        enable_gqa=hkv != h,
+        return_weights=True,
+    )  # (B, H, Lq, Dv), (B, H, Lq, Lk)
+    concat = out.transpose(0, 2, 1, 3).reshape(bsz, lq, h * dv)
+    output = project(concat, w_o, b_o)
+
+    if need_weights:
+        weights = np.broadcast_to(weights, (bsz, h, lq, lk))
+        if average_attn_weights:
+            weights = weights.mean(axis=1)
+        weights = np.array(weights)
+    else:
+        weights = None
+    if unbatched:
+        output = output[0]
+        if weights is not None:
+            weights = weights[0]
+    return output, weights
+
+
+def sinusoidal_positional_encoding(num_positions, d_model, *, base=10000.0):
+    """Sinusoidal positions (num_positions, d_model), float64.
+
+    PE[pos, 2i]   = sin(pos / base^(2i / d_model))
+    PE[pos, 2i+1] = cos(pos / base^(2i / d_model))
+    (odd d_model: the last column is a sin).
+    """
+    pos = np.arange(num_positions, dtype=np.float64)[:, None]
+    two_i = (np.arange(d_model) // 2 * 2).astype(np.float64)[None, :]
+    angle = pos / np.power(float(base), two_i / d_model)
+    pe = np.empty((num_positions, d_model), dtype=np.float64)
+    pe[:, 0::2] = np.sin(angle[:, 0::2])
+    pe[:, 1::2] = np.cos(angle[:, 1::2])
+    return pe
+
+
+def additive_attention(
+    query, keys, w_query, w_keys, v, *, values=None, mask=None, return_weights=False
+):
+    """Bahdanau attention: e_ij = v^T tanh(query_i W_query + keys_j W_keys).
+
+    query (..., Lq, Dq), keys (..., Lk, Dk), w_query (Dq, A), w_keys (Dk, A), v (A,);
+    values (..., Lk, Dv) default to keys; mask broadcastable to (..., Lq, Lk),
+    bool True = may attend.  weights = softmax_j(e), output = weights @ values.
+    Returns output (..., Lq, Dv), or (output, weights).
+    """
+    q, k = _f64(query), _f64(keys)
+    vals = k if values is None else _f64(values)
+    qa = q @ _f64(w_query)  # (..., Lq, A)
+    ka = k @ _f64(w_keys)  # (..., Lk, A)
+    e = np.tanh(qa[..., :, None, :] + ka[..., None, :, :]) @ _f64(v)  # (..., Lq, Lk)
+    if mask is not None:
+        e = e + _additive(mask)
+    weights, _ = _softmax_rows(e, axis=-1)
+    out = weights @ vals
+    return (out, weights) if return_weights else out
