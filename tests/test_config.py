@@ -1,0 +1,143 @@
+"""show_config, thread settings, SIMD selection."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import pyattn
+
+from _helpers import ISAS
+
+
+def test_show_config(capsys):
+    cfg = pyattn.show_config()
+    printed = capsys.readouterr().out
+    assert isinstance(cfg, dict)
+    for key in ("version", "isa", "isas_available", "compiler", "threads"):
+        assert key in cfg, key
+    assert printed.strip(), "show_config() prints its configuration"
+    assert str(cfg["version"]) in printed
+    assert str(cfg["isa"]) in printed
+    assert cfg["threads"] == pyattn.get_num_threads()
+    assert cfg["isa"] in list(cfg["isas_available"])
+    assert "generic" in list(cfg["isas_available"])
+    assert cfg["version"] == pyattn.__version__
+
+
+def test_show_config_follows_settings(capsys):
+    with pyattn.num_threads(1):
+        assert pyattn.show_config()["threads"] == 1
+    capsys.readouterr()
+
+
+def test_get_set_num_threads():
+    old = pyattn.get_num_threads()
+    assert isinstance(old, int) and old >= 1
+    try:
+        pyattn.set_num_threads(1)
+        assert pyattn.get_num_threads() == 1
+        pyattn.set_num_threads(3)
+        assert pyattn.get_num_threads() == 3
+    finally:
+        pyattn.set_num_threads(old)
+    assert pyattn.get_num_threads() == old
+
+
+def test_num_threads_context_restores():
+    old = pyattn.get_num_threads()
+    with pyattn.num_threads(1):
+        assert pyattn.get_num_threads() == 1
+        with pyattn.num_threads(2):
+            assert pyattn.get_num_threads() == 2
+        assert pyattn.get_num_threads() == 1
+    assert pyattn.get_num_threads() == old
+
+
+def test_num_threads_context_restores_on_error():
+    old = pyattn.get_num_threads()
+    with pytest.raises(RuntimeError):
+        with pyattn.num_threads(1):
+            raise RuntimeError("boom")
+    assert pyattn.get_num_threads() == old
+
+
+def test_more_threads_than_work():
+    q = np.ones((1, 1, 2, 4))
+    with pyattn.num_threads(16):
+        out = pyattn.scaled_dot_product_attention(q, q, q)
+    np.testing.assert_allclose(out, q[..., :2, :])
+
+
+def test_isa_switch():
+    from pyattn import _core
+
+    isas = list(_core.available_isas())
+    assert "generic" in isas
+    assert _core.isa() in isas
+    old = _core.isa()
+    try:
+        for name in isas:
+            _core.set_isa(name)
+            assert _core.isa() == name
+            assert pyattn.show_config()["isa"] == name
+    finally:
+        _core.set_isa(old)
+    # an unknown name is refused (raises, or returns False) and changes nothing
+    try:
+        ok = _core.set_isa("not-an-isa")
+    except (ValueError, RuntimeError):
+        ok = False
+    assert not ok
+    assert _core.isa() == old
+
+
+def test_isa_fixture_covers_all_paths():
+    from pyattn import _core
+
+    assert ISAS == list(_core.available_isas())
+
+
+@pytest.mark.parametrize("name", ISAS)
+def test_env_var_selects_isa(name):
+    if name == "default":
+        pytest.skip("pyattn._core not importable")
+    env = dict(os.environ, PYATTN_ISA=name)
+    code = "import pyattn, pyattn._core as c; print(c.isa()); print(pyattn.show_config()['isa'])"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)), timeout=120)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert lines[0] == name
+    assert lines[-1] == name
+
+
+def test_version():
+    assert isinstance(pyattn.__version__, str) and pyattn.__version__
+
+
+def test_public_names():
+    for name in ["scaled_dot_product_attention", "multi_head_attention", "MultiHeadAttention",
+                 "softmax", "matmul", "sinusoidal_positional_encoding", "additive_attention",
+                 "set_num_threads", "get_num_threads", "num_threads", "show_config", "reference"]:
+        assert hasattr(pyattn, name), name
+
+
+def test_env_var_unknown_isa_still_imports():
+    """An unknown or unavailable PYATTN_ISA falls back to a runnable kernel (or fails cleanly)."""
+    env = dict(os.environ, PYATTN_ISA="not-an-isa")
+    code = ("import warnings; warnings.simplefilter('ignore'); import pyattn, numpy as np; "
+            "x = np.eye(3); print(pyattn._core.isa()); "
+            "print(float(pyattn.scaled_dot_product_attention(x, x, x).sum()))")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)), timeout=120)
+    if res.returncode != 0:
+        assert "PYATTN_ISA" in res.stderr  # a clean, explained refusal
+        return
+    name, total = res.stdout.split()
+    assert name in ISAS
+    assert abs(float(total) - 3.0) < 1e-12

@@ -1,0 +1,582 @@
+"""scaled_dot_product_attention: parity with pyattn.reference, once per SIMD path (``isa``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyattn
+from pyattn import reference
+
+from _helpers import DTYPES, assert_close, bool_mask, make_mask, randn, relayout
+
+sdpa = pyattn.scaled_dot_product_attention
+ref_sdpa = reference.scaled_dot_product_attention
+
+dtype_param = pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+
+
+def check(args, kwargs=None, dtype=None, extras=("weights", "lse")):
+    """Run pyattn and the reference on the same arguments and compare everything."""
+    kwargs = dict(kwargs or {})
+    kwargs.setdefault("return_weights", True)
+    kwargs.setdefault("return_lse", True)
+    got = sdpa(*args, **kwargs)
+    want = ref_sdpa(*args, **kwargs)
+    if not (kwargs["return_weights"] or kwargs["return_lse"]):
+        got, want = (got,), (want,)
+    assert isinstance(got, tuple) and len(got) == len(want)
+    names = ["output"]
+    if kwargs["return_weights"]:
+        names.append("weights")
+    if kwargs["return_lse"]:
+        names.append("lse")
+    for name, g, w in zip(names, got, want):
+        assert_close(g, w, dtype, what=name)
+    return got, want
+
+
+# --------------------------------------------------------------------------- lengths
+
+LENGTHS = [1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 23, 24, 25, 31, 32, 33, 47, 48, 49,
+           63, 64, 65, 95, 96, 97, 127, 128, 129, 255, 256, 257, 300, 384, 511]
+HEAD_DIMS = [8, 16, 32, 64, 17, 48, 3, 1, 24, 7, 128]
+
+
+@dtype_param
+@pytest.mark.parametrize("L", LENGTHS)
+def test_self_attention_lengths(isa, dtype, L, rng):
+    e = HEAD_DIMS[LENGTHS.index(L) % len(HEAD_DIMS)]
+    q, k, v = (randn(rng, (1, 2, L, e), dtype) for _ in range(3))
+    check((q, k, v), dtype=dtype)
+
+
+CROSS = [(1, 300), (300, 1), (2, 3), (3, 2), (7, 65), (65, 7), (33, 128), (129, 31),
+         (17, 256), (256, 17), (96, 97), (1, 1), (8, 9), (9, 8), (47, 200), (250, 63)]
+
+
+@dtype_param
+@pytest.mark.parametrize("lq,lk", CROSS)
+def test_cross_attention_lengths(isa, dtype, lq, lk, rng):
+    e, ev = 24, 40
+    q = randn(rng, (2, 2, lq, e), dtype)
+    k = randn(rng, (2, 2, lk, e), dtype)
+    v = randn(rng, (2, 2, lk, ev), dtype)
+    check((q, k, v), dtype=dtype)
+
+
+@dtype_param
+@pytest.mark.parametrize("lq,lk", [(0, 5), (0, 0), (0, 64), (3, 0), (17, 0)])
+def test_empty_lengths(isa, dtype, lq, lk, rng):
+    q = randn(rng, (2, 3, lq, 8), dtype)
+    k = randn(rng, (2, 3, lk, 8), dtype)
+    v = randn(rng, (2, 3, lk, 5), dtype)
+    (out, w, lse), _ = check((q, k, v), dtype=dtype)
+    assert out.shape == (2, 3, lq, 5) and w.shape == (2, 3, lq, lk) and lse.shape == (2, 3, lq)
+    if lk == 0:
+        assert np.all(out == 0.0)
+        assert np.all(np.isneginf(lse))
+    # with causal too (bottom_right with lk = 0 masks everything)
+    for align in ("top_left", "bottom_right"):
+        check((q, k, v), dict(is_causal=True, causal_align=align), dtype=dtype)
+
+
+@dtype_param
+def test_empty_batch(isa, dtype, rng):
+    q = randn(rng, (0, 2, 5, 8), dtype)
+    k = randn(rng, (0, 2, 7, 8), dtype)
+    v = randn(rng, (0, 2, 7, 3), dtype)
+    (out, w, lse), _ = check((q, k, v), dtype=dtype)
+    assert out.shape == (0, 2, 5, 3)
+
+
+# --------------------------------------------------------------------------- head dims
+
+E_EV = [(1, 1), (1, 3), (2, 5), (3, 2), (4, 7), (7, 4), (8, 16), (15, 17), (16, 8),
+        (17, 33), (31, 32), (32, 64), (33, 31), (48, 80), (63, 65), (64, 128), (96, 80),
+        (127, 129), (128, 64), (129, 127), (200, 256), (256, 128), (256, 256), (512, 384),
+        (1024, 1000), (0, 4), (4, 0), (0, 0)]
+
+
+@dtype_param
+@pytest.mark.parametrize("e,ev", E_EV)
+def test_head_dims(isa, dtype, e, ev, rng):
+    q = randn(rng, (2, 2, 37, e), dtype)
+    k = randn(rng, (2, 2, 45, e), dtype)
+    v = randn(rng, (2, 2, 45, ev), dtype)
+    check((q, k, v), dtype=dtype)
+    check((q, k, v), dict(is_causal=True, causal_align="bottom_right"), dtype=dtype)
+
+
+# --------------------------------------------------------------------------- broadcasting
+
+BROADCAST = {
+    # name: (query shape, key shape, value shape, mask shape or None)
+    "key_batch1": ((3, 2, 9, 16), (1, 2, 13, 16), (1, 2, 13, 8), None),
+    "query_batch1": ((1, 2, 9, 16), (3, 2, 13, 16), (3, 2, 13, 8), None),
+    "query_2d_vs_4d_kv": ((9, 16), (2, 3, 13, 16), (2, 3, 13, 8), None),
+    "kv_2d_vs_4d_query": ((2, 3, 9, 16), (13, 16), (13, 8), None),
+    "3d": ((4, 9, 16), (4, 13, 16), (4, 13, 8), None),
+    "2d": ((9, 16), (13, 16), (13, 8), None),
+    "5d": ((2, 1, 3, 9, 16), (1, 2, 3, 13, 16), (1, 2, 3, 13, 8), None),
+    "5d_value_broadcast": ((2, 2, 3, 9, 16), (2, 2, 3, 13, 16), (1, 1, 3, 13, 8), None),
+    "6d": ((2, 1, 2, 2, 5, 8), (1, 3, 2, 2, 6, 8), (1, 3, 2, 2, 6, 4), (2, 1, 1, 1, 5, 6)),
+    "mask_2d": ((2, 3, 9, 16), (2, 3, 13, 16), (2, 3, 13, 8), (9, 13)),
+    "mask_1d": ((2, 3, 9, 16), (2, 3, 13, 16), (2, 3, 13, 8), (13,)),
+    "mask_padding": ((2, 3, 9, 16), (2, 3, 13, 16), (2, 3, 13, 8), (2, 1, 1, 13)),
+    "mask_heads": ((2, 3, 9, 16), (2, 3, 13, 16), (2, 3, 13, 8), (1, 3, 9, 13)),
+    "mask_rows": ((2, 3, 9, 16), (2, 3, 13, 16), (2, 3, 13, 8), (2, 1, 9, 1)),
+    "mask_full": ((2, 3, 9, 16), (2, 3, 13, 16), (2, 3, 13, 8), (2, 3, 9, 13)),
+    "mask_3d_over_4d": ((2, 3, 9, 16), (2, 3, 13, 16), (2, 3, 13, 8), (3, 9, 13)),
+    "mask_5d": ((2, 1, 3, 9, 16), (1, 2, 3, 13, 16), (1, 2, 3, 13, 8), (2, 2, 1, 9, 13)),
+}
+
+
+BROADCAST_PARAMS = [(case, kind) for case, shapes in BROADCAST.items()
+                    for kind in (["bool", "float"] if shapes[3] is not None else [None])]
+
+
+@dtype_param
+@pytest.mark.parametrize("case,mask_kind", BROADCAST_PARAMS)
+def test_broadcasting(isa, dtype, case, mask_kind, rng):
+    qs, ks, vs, ms = BROADCAST[case]
+    q, k, v = randn(rng, qs, dtype), randn(rng, ks, dtype), randn(rng, vs, dtype)
+    mask = None if ms is None else make_mask(rng, mask_kind, ms, dtype)
+    (out, *_), (want, *_) = check((q, k, v, mask), dtype=dtype)
+    assert out.shape == want.shape
+
+
+# --------------------------------------------------------------------------- masks
+
+MASK_KINDS = ["bool", "float", "bool_full_rows", "float_full_rows", "float_finite"]
+MASK_SHAPES = {
+    "full": lambda b, h, lq, lk: (b, h, lq, lk),
+    "2d": lambda b, h, lq, lk: (lq, lk),
+    "padding": lambda b, h, lq, lk: (b, 1, 1, lk),
+    "heads": lambda b, h, lq, lk: (1, h, lq, lk),
+}
+
+
+@dtype_param
+@pytest.mark.parametrize("shape", list(MASK_SHAPES))
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_masks(isa, dtype, shape, kind, rng):
+    b, h, lq, lk = 2, 3, 19, 33
+    q = randn(rng, (b, h, lq, 16), dtype)
+    k = randn(rng, (b, h, lk, 16), dtype)
+    v = randn(rng, (b, h, lk, 12), dtype)
+    mshape = MASK_SHAPES[shape](b, h, lq, lk)
+    if shape == "padding" and "full_rows" in kind:
+        mask = make_mask(rng, kind.replace("_full_rows", ""), mshape, dtype)
+        mask[0, ..., :] = False if mask.dtype == bool else -np.inf  # batch 0 fully padded
+    else:
+        mask = make_mask(rng, kind, mshape, dtype)
+    (out, w, lse), _ = check((q, k, v, mask), dtype=dtype)
+    # forbidden keys get exactly zero weight; rows with no allowed key are exactly zero
+    allowed = np.broadcast_to(
+        mask if mask.dtype == bool else np.isfinite(mask), w.shape
+    )
+    assert np.all(w[~allowed] == 0.0)
+    dead = ~allowed.any(axis=-1)
+    if "full_rows" in kind:
+        assert dead.any()
+    assert np.all(out[dead] == 0.0)
+    assert np.all(np.isneginf(lse[dead]))
+    assert not np.isnan(out).any()
+
+
+@dtype_param
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_all_masked(isa, dtype, kind, rng):
+    q = randn(rng, (2, 2, 5, 8), dtype)
+    k = randn(rng, (2, 2, 7, 8), dtype)
+    v = randn(rng, (2, 2, 7, 8), dtype)
+    mask = np.zeros((5, 7), bool) if kind == "bool" else np.full((5, 7), -np.inf, dtype)
+    (out, w, lse), _ = check((q, k, v, mask), dtype=dtype)
+    assert np.all(out == 0.0) and np.all(w == 0.0) and np.all(np.isneginf(lse))
+
+
+@dtype_param
+def test_mask_with_large_bias(isa, dtype, rng):
+    """Additive masks of large magnitude (e.g. -1e4 instead of -inf, ALiBi-like slopes)."""
+    q = randn(rng, (1, 2, 40, 16), dtype)
+    k = randn(rng, (1, 2, 50, 16), dtype)
+    v = randn(rng, (1, 2, 50, 16), dtype)
+    i, j = np.arange(40)[:, None], np.arange(50)[None, :]
+    alibi = (-0.5 * np.abs(i - j)).astype(dtype)
+    check((q, k, v, alibi), dtype=dtype)
+    big = np.where(bool_mask(rng, (40, 50)), 0.0, -1e4).astype(dtype)
+    check((q, k, v, big), dtype=dtype)
+    # a large positive bias on some keys dominates the row (the running max comes from the mask)
+    pos = np.zeros((40, 50), dtype)
+    pos[:, 7] = 30.0
+    pos[::3, 41] = 29.0
+    check((q, k, v, pos), dtype=dtype)
+
+
+# --------------------------------------------------------------------------- causal
+
+CAUSAL_SHAPES = [(1, 1), (5, 5), (17, 17), (64, 64), (129, 129), (7, 20), (20, 7),
+                 (1, 300), (16, 257), (257, 16), (33, 96), (96, 33), (2, 3), (3, 2)]
+
+
+@dtype_param
+@pytest.mark.parametrize("align", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("lq,lk", CAUSAL_SHAPES)
+def test_causal(isa, dtype, align, lq, lk, rng):
+    q = randn(rng, (2, 2, lq, 24), dtype)
+    k = randn(rng, (2, 2, lk, 24), dtype)
+    v = randn(rng, (2, 2, lk, 16), dtype)
+    (out, w, lse), _ = check((q, k, v), dict(is_causal=True, causal_align=align), dtype=dtype)
+    offset = 0 if align == "top_left" else lk - lq
+    future = np.arange(lk)[None, :] > np.arange(lq)[:, None] + offset
+    assert np.all(w[..., future] == 0.0)
+
+
+@dtype_param
+@pytest.mark.parametrize("align", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("kind", ["bool", "float", "bool_full_rows"])
+def test_causal_with_mask(isa, dtype, align, kind, rng):
+    """is_causal and attn_mask together: both restrictions apply."""
+    lq, lk = 23, 41
+    q = randn(rng, (2, 2, lq, 16), dtype)
+    k = randn(rng, (2, 2, lk, 16), dtype)
+    v = randn(rng, (2, 2, lk, 16), dtype)
+    mask = make_mask(rng, kind, (2, 1, lq, lk), dtype)
+    check((q, k, v, mask), dict(is_causal=True, causal_align=align), dtype=dtype)
+
+
+# --------------------------------------------------------------------------- GQA
+
+GQA = [(2, 1), (4, 1), (8, 1), (4, 2), (8, 2), (8, 4), (6, 3), (6, 2), (3, 3)]
+
+
+@dtype_param
+@pytest.mark.parametrize("hq,hkv", GQA)
+def test_gqa(isa, dtype, hq, hkv, rng):
+    q = randn(rng, (2, hq, 13, 32), dtype)
+    k = randn(rng, (2, hkv, 29, 32), dtype)
+    v = randn(rng, (2, hkv, 29, 24), dtype)
+    check((q, k, v), dict(enable_gqa=True), dtype=dtype)
+    check((q, k, v), dict(enable_gqa=True, is_causal=True, causal_align="bottom_right"),
+          dtype=dtype)
+    mask = make_mask(rng, "bool_full_rows", (2, hq, 13, 29))
+    check((q, k, v, mask), dict(enable_gqa=True), dtype=dtype)
+    # query head h must use kv head h // (hq // hkv) (repeat_interleave, not tile)
+    out = sdpa(q, k, v, enable_gqa=True)
+    g = hq // hkv
+    for h in range(hq):
+        want = ref_sdpa(q[:, h], k[:, h // g], v[:, h // g])
+        assert_close(out[:, h], want, dtype, what=f"head {h}")
+
+
+@dtype_param
+def test_gqa_5d(isa, dtype, rng):
+    q = randn(rng, (2, 3, 8, 7, 16), dtype)
+    k = randn(rng, (1, 3, 2, 9, 16), dtype)
+    v = randn(rng, (2, 1, 2, 9, 8), dtype)
+    check((q, k, v), dict(enable_gqa=True), dtype=dtype)
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+LAYOUTS = ["fortran", "swapaxes", "transposed_last", "row_slice", "col_slice", "reversed",
+           "offset", "unaligned", "byteswapped"]
+
+
+@dtype_param
+@pytest.mark.parametrize("how", LAYOUTS)
+def test_layouts(isa, dtype, how, rng):
+    q = randn(rng, (2, 3, 17, 24), dtype)
+    k = randn(rng, (2, 3, 21, 24), dtype)
+    v = randn(rng, (2, 3, 21, 20), dtype)
+    mask = make_mask(rng, "float", (2, 3, 17, 21), dtype)
+    lq_, lk_, lv_, lm_ = (relayout(a, how, rng) for a in (q, k, v, mask))
+    if how == "offset":
+        assert lq_.ctypes.data % lq_.itemsize == 0 and lq_.ctypes.data % 16 != 0
+    elif how == "unaligned":
+        assert not lq_.flags.aligned
+    elif how == "byteswapped":
+        assert not lq_.dtype.isnative
+    else:
+        assert not (lq_.flags.c_contiguous and lk_.flags.c_contiguous)
+    got = sdpa(lq_, lk_, lv_, lm_, return_weights=True, return_lse=True)
+    want = ref_sdpa(q, k, v, mask, return_weights=True, return_lse=True)
+    for name, g, w in zip(["output", "weights", "lse"], got, want):
+        assert_close(g, w, dtype, what=name)
+    # mixed: only one operand non-contiguous
+    got = sdpa(q, lk_, v, mask)
+    assert_close(got, want[0], dtype)
+    got = sdpa(q, k, lv_, mask, is_causal=True)
+    assert_close(got, ref_sdpa(q, k, v, mask, is_causal=True), dtype)
+
+
+@dtype_param
+def test_broadcast_views(isa, dtype, rng):
+    """Stride-0 views (np.broadcast_to) as inputs and masks."""
+    q = randn(rng, (2, 3, 11, 16), dtype)
+    k1 = randn(rng, (1, 1, 14, 16), dtype)
+    v1 = randn(rng, (1, 1, 14, 8), dtype)
+    k = np.broadcast_to(k1, (2, 3, 14, 16))
+    v = np.broadcast_to(v1, (2, 3, 14, 8))
+    row = make_mask(rng, "bool", (14,))
+    mask = np.broadcast_to(row, (2, 3, 11, 14))
+    check((q, k, v, mask), dtype=dtype)
+    qb = np.broadcast_to(randn(rng, (11, 1), dtype), (11, 16))
+    check((qb, k1[0, 0], v1[0, 0]), dtype=dtype)
+
+
+# --------------------------------------------------------------------------- out=, returns
+
+
+@dtype_param
+@pytest.mark.parametrize("how", ["col_slice", "swapaxes", "fortran", "row_slice"])
+def test_out_non_contiguous(isa, dtype, how, rng):
+    q = randn(rng, (2, 3, 17, 24), dtype)
+    k = randn(rng, (2, 3, 21, 24), dtype)
+    v = randn(rng, (2, 3, 21, 20), dtype)
+    out = relayout(np.full((2, 3, 17, 20), np.nan, dtype), how, rng)
+    assert not out.flags.c_contiguous
+    assert sdpa(q, k, v, is_causal=True, out=out) is out
+    assert_close(out, ref_sdpa(q, k, v, is_causal=True), dtype)
+
+
+@dtype_param
+@pytest.mark.parametrize("causal", [False, True])
+def test_out(isa, dtype, causal, rng):
+    q = randn(rng, (2, 3, 17, 24), dtype)
+    k = randn(rng, (2, 3, 21, 24), dtype)
+    v = randn(rng, (2, 3, 21, 20), dtype)
+    out = np.full((2, 3, 17, 20), np.nan, dtype)
+    r = sdpa(q, k, v, is_causal=causal, out=out)
+    assert r is out
+    assert_close(out, ref_sdpa(q, k, v, is_causal=causal), dtype)
+    # out= together with return_weights / return_lse: output goes to out
+    out2 = np.full((2, 3, 17, 20), np.nan, dtype)
+    r = sdpa(q, k, v, is_causal=causal, out=out2, return_weights=True, return_lse=True)
+    assert isinstance(r, tuple) and len(r) == 3 and r[0] is out2
+    assert_close(out2, ref_sdpa(q, k, v, is_causal=causal), dtype)
+
+
+@dtype_param
+def test_out_broadcast_shape(isa, dtype, rng):
+    q = randn(rng, (9, 16), dtype)
+    k = randn(rng, (2, 3, 13, 16), dtype)
+    v = randn(rng, (2, 3, 13, 8), dtype)
+    out = np.empty((2, 3, 9, 8), dtype)
+    assert sdpa(q, k, v, out=out) is out
+    assert_close(out, ref_sdpa(q, k, v), dtype)
+
+
+@dtype_param
+@pytest.mark.parametrize("rw,rl", [(False, False), (True, False), (False, True), (True, True)])
+def test_return_combinations(isa, dtype, rw, rl, rng):
+    q = randn(rng, (2, 2, 10, 16), dtype)
+    k = randn(rng, (2, 2, 12, 16), dtype)
+    v = randn(rng, (2, 2, 12, 6), dtype)
+    mask = make_mask(rng, "bool_full_rows", (10, 12))
+    got = sdpa(q, k, v, mask, return_weights=rw, return_lse=rl)
+    want = ref_sdpa(q, k, v, mask, return_weights=rw, return_lse=rl)
+    if not (rw or rl):
+        assert isinstance(got, np.ndarray)
+        assert_close(got, want, dtype)
+        return
+    assert isinstance(got, tuple) and len(got) == 1 + rw + rl
+    for g, w in zip(got, want):
+        assert_close(g, w, dtype)
+    if rl:
+        lse = got[-1]
+        assert lse.shape == (2, 2, 10)
+        # the lse is the log-sum-exp of the scaled, masked scores
+        scores = reference.matmul(q, np.swapaxes(k, -1, -2)) / 4.0
+        scores = np.where(mask, scores, -np.inf)
+        assert_close(lse, reference.logsumexp(scores), dtype, what="lse vs scores")
+
+
+# --------------------------------------------------------------------------- scale
+
+
+@dtype_param
+@pytest.mark.parametrize("scale", [0.0, 0.1, 1.0, 2.5, -0.5])
+def test_scale(isa, dtype, scale, rng):
+    q = randn(rng, (2, 2, 15, 16), dtype)
+    k = randn(rng, (2, 2, 18, 16), dtype)
+    v = randn(rng, (2, 2, 18, 16), dtype)
+    check((q, k, v), dict(scale=scale), dtype=dtype)
+    check((q, k, v, make_mask(rng, "float", (15, 18), dtype)),
+          dict(scale=scale, is_causal=True), dtype=dtype)
+
+
+@dtype_param
+def test_large_scores(isa, dtype, rng):
+    """Scores of magnitude ~100: the max-subtraction must keep exp from overflowing."""
+    q = randn(rng, (1, 2, 30, 16), dtype, scale=6.0)
+    k = randn(rng, (1, 2, 40, 16), dtype, scale=6.0)
+    v = randn(rng, (1, 2, 40, 16), dtype)
+    (out, w, lse), _ = check((q, k, v), dtype=dtype)
+    assert np.isfinite(out).all()
+    if dtype == np.float64:  # scores ~ 1e4: exp would overflow without the max subtraction
+        (out, w, lse), _ = check((q * 20, k * 20, v), dtype=dtype)
+        assert np.isfinite(out).all()
+
+
+# --------------------------------------------------------------------------- decode
+
+DECODE = [(1, 100, 8, 8), (1, 1000, 8, 2), (1, 2048, 32, 1), (1, 4096, 4, 4), (2, 513, 8, 2),
+          (1, 3000, 1, 1), (3, 2500, 1, 1),
+          (4, 777, 4, 1), (7, 1500, 8, 4), (16, 1024, 8, 2), (16, 301, 2, 2), (3, 64, 4, 2)]
+
+
+@dtype_param
+@pytest.mark.parametrize("lq,lk,hq,hkv", DECODE)
+def test_decode(isa, dtype, lq, lk, hq, hkv, rng):
+    e = 64
+    q = randn(rng, (1, hq, lq, e), dtype)
+    k = randn(rng, (1, hkv, lk, e), dtype)
+    v = randn(rng, (1, hkv, lk, e), dtype)
+    kw = dict(enable_gqa=True, return_weights=False)
+    check((q, k, v), kw, dtype=dtype)
+    check((q, k, v), dict(kw, is_causal=True, causal_align="bottom_right"), dtype=dtype)
+    # padded KV cache: only the first lk - 37 positions are valid
+    pad = np.arange(lk) < max(lk - 37, 1)
+    check((q, k, v, pad), kw, dtype=dtype)
+
+
+@dtype_param
+@pytest.mark.parametrize("pattern", ["first_half_masked", "last_half_masked", "one_key_middle",
+                                     "one_key_first", "one_key_last", "all_masked", "stripes"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_masked_chunks(isa, dtype, pattern, threads, rng):
+    """Split-K decode: chunks whose keys are all masked must merge without NaN."""
+    lk = 2000
+    q = randn(rng, (1, 1, 1, 64), dtype)
+    k = randn(rng, (1, 1, lk, 64), dtype)
+    v = randn(rng, (1, 1, lk, 64), dtype)
+    allowed = np.ones(lk, bool)
+    if pattern == "first_half_masked":
+        allowed[: lk // 2 + 250] = False
+    elif pattern == "last_half_masked":
+        allowed[lk // 2 - 250:] = False
+    elif pattern.startswith("one_key"):
+        allowed[:] = False
+        allowed[{"one_key_middle": lk // 2 + 1, "one_key_first": 0, "one_key_last": lk - 1}[pattern]] = True
+    elif pattern == "all_masked":
+        allowed[:] = False
+    else:
+        allowed[(np.arange(lk) // 300) % 2 == 1] = False
+    with pyattn.num_threads(threads):
+        (out, w, lse), _ = check((q, k, v, allowed), dtype=dtype)
+        check((q, k, v, np.where(allowed, 0.0, -np.inf).astype(dtype)), dtype=dtype)
+        # the same pattern with several queries in a chunked-prefill (bottom_right causal)
+        q4 = randn(rng, (1, 2, 4, 64), dtype)
+        check((q4, k, v, allowed), dict(is_causal=True, causal_align="bottom_right",
+                                        return_weights=False), dtype=dtype)
+    assert not np.isnan(out).any()
+
+
+@dtype_param
+def test_many_small_heads(isa, dtype, rng):
+    q = randn(rng, (32, 16, 5, 8), dtype)
+    k = randn(rng, (32, 16, 7, 8), dtype)
+    v = randn(rng, (32, 16, 7, 8), dtype)
+    check((q, k, v), dtype=dtype)
+    check((q, k, v, make_mask(rng, "bool_full_rows", (32, 1, 5, 7))),
+          dict(is_causal=True), dtype=dtype)
+
+
+@dtype_param
+def test_decode_batched_padding(isa, dtype, rng):
+    """A batch of decodes with different cache lengths (the padding is per batch)."""
+    b, hq, hkv, lk = 3, 8, 2, 600
+    q = randn(rng, (b, hq, 1, 64), dtype)
+    k = randn(rng, (b, hkv, lk, 64), dtype)
+    v = randn(rng, (b, hkv, lk, 64), dtype)
+    lengths = np.array([600, 1, 333])
+    mask = (np.arange(lk)[None, :] < lengths[:, None])[:, None, None, :]
+    check((q, k, v, mask), dict(enable_gqa=True), dtype=dtype)
+
+
+# --------------------------------------------------------------------------- dtypes
+
+
+@pytest.mark.parametrize("dts", [
+    (np.float32, np.float64, np.float32),
+    (np.float64, np.float32, np.float32),
+    (np.float32, np.float32, np.float64),
+    (np.float64, np.float64, np.float64),
+    (np.float32, np.float32, np.float32),
+])
+def test_mixed_dtypes(isa, dts, rng):
+    q = randn(rng, (2, 2, 9, 16), dts[0])
+    k = randn(rng, (2, 2, 11, 16), dts[1])
+    v = randn(rng, (2, 2, 11, 8), dts[2])
+    expected = np.result_type(*dts)
+    check((q, k, v), dtype=expected)
+    check((q, k, v), dict(is_causal=True), dtype=expected)
+
+
+def test_mask_dtype_does_not_change_result_dtype(isa, rng):
+    q = randn(rng, (2, 2, 9, 16), np.float32)
+    k = randn(rng, (2, 2, 11, 16), np.float32)
+    v = randn(rng, (2, 2, 11, 8), np.float32)
+    for mask in (make_mask(rng, "float", (9, 11), np.float64), make_mask(rng, "bool", (9, 11))):
+        out = sdpa(q, k, v, mask)
+        assert_close(out, ref_sdpa(q, k, v, mask), np.float32)
+
+
+def test_array_likes(isa):
+    """Anything np.asarray accepts (nested lists) is taken; lists of floats are float64."""
+    x = [[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]]
+    out = sdpa(x, x, x)
+    assert_close(out, ref_sdpa(x, x, x), np.float64)
+
+
+# --------------------------------------------------------------------------- NaN / inf
+
+
+@dtype_param
+def test_nan_propagates(isa, dtype, rng):
+    q = randn(rng, (1, 1, 6, 8), dtype)
+    k = randn(rng, (1, 1, 9, 8), dtype)
+    v = randn(rng, (1, 1, 9, 8), dtype)
+    q[0, 0, 2, 3] = np.nan
+    out = sdpa(q, k, v)
+    assert np.isnan(out[0, 0, 2]).all()
+    assert np.isfinite(np.delete(out[0, 0], 2, axis=0)).all()
+    assert_close(out, ref_sdpa(q, k, v), dtype)
+    # a NaN value only poisons the output column it is in
+    v2 = v.copy()
+    v2[0, 0, 4, 1] = np.nan
+    out = sdpa(q[..., [0, 1, 3, 4, 5], :], k, v2)
+    assert np.isnan(out[..., 1]).all()
+    assert np.isfinite(np.delete(out, 1, axis=-1)).all()
+
+
+@dtype_param
+def test_inf_input_does_not_crash(isa, dtype, rng):
+    q = randn(rng, (1, 1, 6, 8), dtype)
+    k = randn(rng, (1, 1, 9, 8), dtype)
+    v = randn(rng, (1, 1, 9, 8), dtype)
+    k[0, 0, 3, 0] = np.inf
+    out = sdpa(q, k, v)
+    assert out.shape == (1, 1, 6, 8)
+
+
+# --------------------------------------------------------------------------- threads, per path
+
+
+@dtype_param
+@pytest.mark.parametrize("lq,lk,hq,hkv", [(1, 1500, 8, 2), (4, 700, 2, 1), (64, 64, 4, 4),
+                                          (129, 300, 2, 2)])
+def test_threads_agree(isa, dtype, lq, lk, hq, hkv, rng):
+    q = randn(rng, (1, hq, lq, 48), dtype)
+    k = randn(rng, (1, hkv, lk, 48), dtype)
+    v = randn(rng, (1, hkv, lk, 40), dtype)
+    kw = dict(enable_gqa=True, is_causal=True, causal_align="bottom_right", return_lse=True)
+    want = ref_sdpa(q, k, v, **kw)
+    for n in (1, 2, 3):
+        with pyattn.num_threads(n):
+            got = sdpa(q, k, v, **kw)
+        for name, g, w in zip(["output", "lse"], got, want):
+            assert_close(g, w, dtype, what=f"{name} with {n} threads")
