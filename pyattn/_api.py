@@ -151,7 +151,7 @@ def scaled_dot_product_attention(
     weights = np.zeros(lead + (Lq, Lk), dtype) if return_weights else None
     lse = np.empty(lead + (Lq,), dtype) if return_lse else None
 
-    if bh and Lq and Ev:
+    if bh and Lq:
         if Lk == 0:
             result[...] = 0
             if lse is not None:

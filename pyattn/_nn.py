@@ -6,7 +6,7 @@ import math
 import numpy as np
 
 from ._api import matmul, scaled_dot_product_attention, softmax
-from ._validate import compute_dtype, float_array, positive_int
+from ._validate import broadcast_lead, compute_dtype, float_array, positive_int
 
 __all__ = [
     "multi_head_attention",
@@ -233,6 +233,10 @@ class MultiHeadAttention:
             key = query
         if value is None:
             value = key
+        for x, width, name in ((query, self.embed_dim, "query"), (key, self.kdim, "key"), (value, self.vdim, "value")):
+            shape = np.shape(x)
+            if not shape or shape[-1] != width:
+                raise ValueError(f"{name} has shape {shape}; expected (..., {width}) for this layer")
         return multi_head_attention(
             query, key, value, self.num_heads, self.w_q, self.w_k, self.w_v, self.w_o,
             self.b_q, self.b_k, self.b_v, self.b_o,
@@ -350,6 +354,7 @@ def additive_attention(query, keys, w_query, w_keys, v, *, values=None, mask=Non
         raise ValueError(f"w_query {wq.shape}, w_keys {wk.shape} and v {vv.shape} must share the attention size A")
     if vals.shape[-2] != k.shape[-2]:
         raise ValueError(f"values has length {vals.shape[-2]}; expected Lk = {k.shape[-2]} from keys")
+    broadcast_lead((q.shape[:-2], k.shape[:-2], vals.shape[:-2]), ("query", "keys", "values"), "additive_attention")
     dtype = compute_dtype(q, k, wq, wk, vv, vals)
     qp = matmul(q, wq.astype(dtype, copy=False))  # (..., Lq, A)
     kp = matmul(k, wk.astype(dtype, copy=False))  # (..., Lk, A)

@@ -252,28 +252,11 @@ struct Attention {
     const T* vbase = V + a.voff[h0];
     for (index_t k0 = j0; k0 < j1; k0 += DB) {
       const index_t kb = min_of<index_t>(DB, j1 - k0);
-      // s[x, j] = q_x . k_j, four keys at a time: four independent vector accumulators hide
-      // the FMA latency and each q_x load serves four keys.
+      // s[x, j] = q_x . k_j, four keys at a time (the ISA's dot4 keeps four accumulators).
       index_t j = 0;
       for (; j + 4 <= kb; j += 4) {
         const T* k0r = kbase + (k0 + j) * a.k_rs;
-        const T *k1r = k0r + a.k_rs, *k2r = k1r + a.k_rs, *k3r = k2r + a.k_rs;
-        for (index_t x = 0; x < r.R; ++x) {
-          const T* qx = r.q + x * E;
-          T s0 = T(0), s1 = T(0), s2 = T(0), s3 = T(0);
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-          for (index_t e = 0; e < E; ++e) {
-            s0 += qx[e] * k0r[e];
-            s1 += qx[e] * k1r[e];
-            s2 += qx[e] * k2r[e];
-            s3 += qx[e] * k3r[e];
-          }
-          T* sx = r.s + x * DB + j;
-          sx[0] = s0;
-          sx[1] = s1;
-          sx[2] = s2;
-          sx[3] = s3;
-        }
+        for (index_t x = 0; x < r.R; ++x) K::dot4(r.q + x * E, k0r, a.k_rs, E, r.s + x * DB + j);
       }
       for (; j < kb; ++j) {
         const T* kr = kbase + (k0 + j) * a.k_rs;
@@ -435,7 +418,7 @@ struct Attention {
   }
 
   static void run(const AttnArgs& args) {
-    if (args.bh == 0 || args.Lq == 0 || args.Ev == 0) return;
+    if (args.bh == 0 || args.Lq == 0) return;
     Attention self(args);
     if (use_decode(args))
       self.decode();

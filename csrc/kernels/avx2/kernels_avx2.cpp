@@ -146,8 +146,29 @@ static inline __m256d exp2_pd(__m256d x) {
 }
 
 template <class T, class V, int L, V (*Exp)(V), V (*Load)(const T*), void (*Store)(T*, V), V (*Sub)(V, V),
-          V (*Add)(V, V), V (*Set1)(T)>
+          V (*Add)(V, V), V (*Set1)(T), V (*Fma)(V, V, V)>
 struct ExpAvx2 {
+  //   out[r] = q . k_r for the 4 rows k_r = k + r*rs
+  static void dot4(const T* q, const T* k, index_t rs, index_t n, T* out) {
+    V s0 = Set1(T(0)), s1 = s0, s2 = s0, s3 = s0;
+    index_t e = 0;
+    for (; e + L <= n; e += L) {
+      const V qv = Load(q + e);
+      s0 = Fma(qv, Load(k + e), s0);
+      s1 = Fma(qv, Load(k + rs + e), s1);
+      s2 = Fma(qv, Load(k + 2 * rs + e), s2);
+      s3 = Fma(qv, Load(k + 3 * rs + e), s3);
+    }
+    const V* acc[4] = {&s0, &s1, &s2, &s3};
+    for (int r = 0; r < 4; ++r) {
+      alignas(32) T lanes[L];
+      Store(lanes, *acc[r]);
+      T t = T(0);
+      for (int j = 0; j < L; ++j) t += lanes[j];
+      for (index_t i = e; i < n; ++i) t += q[i] * k[r * rs + i];
+      out[r] = t;
+    }
+  }
   //   x[i] = exp2(x[i] - sub[i]); sum[i] += x[i]
   static void exp2_sub_cols(T* x, const T* sub, T* sum, int n) {
     int i = 0;
@@ -188,11 +209,13 @@ static inline void st_ps(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 static inline __m256 sub_ps(__m256 a, __m256 b) { return _mm256_sub_ps(a, b); }
 static inline __m256 add_ps(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
 static inline __m256 set1_ps(float v) { return _mm256_set1_ps(v); }
+static inline __m256 fma_ps(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
 static inline __m256d ld_pd(const double* p) { return _mm256_loadu_pd(p); }
 static inline void st_pd(double* p, __m256d v) { _mm256_storeu_pd(p, v); }
 static inline __m256d sub_pd(__m256d a, __m256d b) { return _mm256_sub_pd(a, b); }
 static inline __m256d add_pd(__m256d a, __m256d b) { return _mm256_add_pd(a, b); }
 static inline __m256d set1_pd(double v) { return _mm256_set1_pd(v); }
+static inline __m256d fma_pd(__m256d a, __m256d b, __m256d c) { return _mm256_fmadd_pd(a, b, c); }
 
 #define PYATTN_UKERNEL_SWITCH(NAME)                                     \
   switch (mr) {                                                         \
@@ -205,7 +228,7 @@ static inline __m256d set1_pd(double v) { return _mm256_set1_pd(v); }
   }
 
 // Block sizes: 6 x KC A micro-panel (6 KiB) in L1, KC x NC packed B (512 KiB) in L2.
-struct sgemm_6x16_avx2 : ExpAvx2<float, __m256, 8, exp2_ps, ld_ps, st_ps, sub_ps, add_ps, set1_ps> {
+struct sgemm_6x16_avx2 : ExpAvx2<float, __m256, 8, exp2_ps, ld_ps, st_ps, sub_ps, add_ps, set1_ps, fma_ps> {
   using T = float;
   static constexpr int MR = 6, NR = 16;
   static constexpr index_t MC = 120, KC = 256, NC = 512, BK = 256;
@@ -214,7 +237,7 @@ struct sgemm_6x16_avx2 : ExpAvx2<float, __m256, 8, exp2_ps, ld_ps, st_ps, sub_ps
     PYATTN_UKERNEL_SWITCH(sgemm_ukernel_6x16_avx2_m)
   }
 };
-struct dgemm_6x8_avx2 : ExpAvx2<double, __m256d, 4, exp2_pd, ld_pd, st_pd, sub_pd, add_pd, set1_pd> {
+struct dgemm_6x8_avx2 : ExpAvx2<double, __m256d, 4, exp2_pd, ld_pd, st_pd, sub_pd, add_pd, set1_pd, fma_pd> {
   using T = double;
   static constexpr int MR = 6, NR = 8;
   static constexpr index_t MC = 120, KC = 256, NC = 256, BK = 128;

@@ -128,6 +128,22 @@ static inline __m512d exp2_pd(__m512d x) {
 }
 
 struct ExpF32 {
+  //   out[r] = q . k_r for the 4 rows k_r = k + r*rs (4 accumulators in flight, one q load each)
+  static void dot4(const float* q, const float* k, index_t rs, index_t n, float* out) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (index_t e = 0; e < n; e += 16) {
+      const __mmask16 m = n - e >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - e)) - 1);
+      const __m512 qv = _mm512_maskz_loadu_ps(m, q + e);
+      s0 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k + e), s0);
+      s1 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k + rs + e), s1);
+      s2 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k + 2 * rs + e), s2);
+      s3 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k + 3 * rs + e), s3);
+    }
+    out[0] = _mm512_reduce_add_ps(s0);
+    out[1] = _mm512_reduce_add_ps(s1);
+    out[2] = _mm512_reduce_add_ps(s2);
+    out[3] = _mm512_reduce_add_ps(s3);
+  }
   //   x[i] = exp2(x[i] - sub[i]); sum[i] += x[i]
   static void exp2_sub_cols(float* x, const float* sub, float* sum, int n) {
     for (int i = 0; i < n; i += 16) {
@@ -152,6 +168,21 @@ struct ExpF32 {
 };
 
 struct ExpF64 {
+  static void dot4(const double* q, const double* k, index_t rs, index_t n, double* out) {
+    __m512d s0 = _mm512_setzero_pd(), s1 = s0, s2 = s0, s3 = s0;
+    for (index_t e = 0; e < n; e += 8) {
+      const __mmask8 m = n - e >= 8 ? __mmask8(0xFF) : __mmask8((1u << (n - e)) - 1);
+      const __m512d qv = _mm512_maskz_loadu_pd(m, q + e);
+      s0 = _mm512_fmadd_pd(qv, _mm512_maskz_loadu_pd(m, k + e), s0);
+      s1 = _mm512_fmadd_pd(qv, _mm512_maskz_loadu_pd(m, k + rs + e), s1);
+      s2 = _mm512_fmadd_pd(qv, _mm512_maskz_loadu_pd(m, k + 2 * rs + e), s2);
+      s3 = _mm512_fmadd_pd(qv, _mm512_maskz_loadu_pd(m, k + 3 * rs + e), s3);
+    }
+    out[0] = _mm512_reduce_add_pd(s0);
+    out[1] = _mm512_reduce_add_pd(s1);
+    out[2] = _mm512_reduce_add_pd(s2);
+    out[3] = _mm512_reduce_add_pd(s3);
+  }
   static void exp2_sub_cols(double* x, const double* sub, double* sum, int n) {
     for (int i = 0; i < n; i += 8) {
       const __mmask8 m = n - i >= 8 ? __mmask8(0xFF) : __mmask8((1u << (n - i)) - 1);

@@ -25,7 +25,14 @@ inline void gemm_ukernel_ref(int mr, index_t k, const T* a, index_t rsa, index_t
 
 template <class T>
 struct GenericKernels {
-  using Tp = T;
+  //   out[r] = q . k_r for the 4 rows k_r = k + r*rs
+  static void dot4(const T* q, const T* k, index_t rs, index_t n, T* out) {
+    for (int r = 0; r < 4; ++r) {
+      T s = T(0);
+      for (index_t e = 0; e < n; ++e) s += q[e] * k[r * rs + e];
+      out[r] = s;
+    }
+  }
   //   x[i] = exp2(x[i] - sub[i]); sum[i] += x[i]
   static void exp2_sub_cols(T* x, const T* sub, T* sum, int n) {
     for (int i = 0; i < n; ++i) {
