@@ -128,26 +128,70 @@ struct Gemm {
     }
   }
 
-  // Few rows of A against a row-major B: stream B once, no packing (memory bound).
-  //   c[i, j] = sum_p a[i, p] * b[p, j], i < m <= kGemvRows
-  static constexpr index_t kGemvRows = 4, kGemvCols = 512;
-  static void gemv_rows(const T* a, index_t rsa, index_t csa, const T* b, index_t rsb, T* c, index_t rsc,
-                        index_t csc, index_t m, index_t k, index_t j0, index_t j1) {
-    alignas(64) T acc[kGemvRows][kGemvCols];
-    for (index_t jb = j0; jb < j1; jb += kGemvCols) {
-      const index_t w = min_of<index_t>(kGemvCols, j1 - jb);
-      for (index_t i = 0; i < m; ++i)
-        for (index_t j = 0; j < w; ++j) acc[i][j] = T(0);
-      for (index_t p = 0; p < k; ++p) {
-        const T* bp = b + p * rsb + jb;
-        for (index_t i = 0; i < m; ++i) {
-          const T av = a[i * rsa + p * csa];
-          T* ai = acc[i];
-          for (index_t j = 0; j < w; ++j) ai[j] += av * bp[j];
-        }
+  // Few rows of A against a row-major B (x @ W in decode): memory bound, so B is streamed once,
+  // row after row, with no packing. The k rows are cut into at most kGemvChunks fixed chunks
+  // (the same for any thread count, so results do not depend on it); each chunk reads whole
+  // rows of B, the hardware prefetcher's best case, into its own partial sums, which are then
+  // added in chunk order.
+  //   part[ch, i, :] = sum_{p in chunk ch} a[i, p] * b[p, :];  c[i, :] = sum_ch part[ch, i, :]
+  static constexpr index_t kGemvRows = 4, kGemvChunks = 8, kGemvMinChunk = 128;
+  static void gemv_chunk(const T* a, index_t rsa, index_t csa, const T* b, index_t rsb, index_t m, index_t n,
+                         index_t p0, index_t p1, T* part) {
+    for (index_t x = 0; x < m * n; ++x) part[x] = T(0);
+    // Four rows of B per pass over the partial sums: one read-modify-write of acc per four
+    // streamed rows keeps the loop at memory speed (a row at a time reaches ~60% of it).
+    index_t p = p0;
+    for (; p + 4 <= p1; p += 4) {
+      const T* b0 = b + p * rsb;
+      const T *b1 = b0 + rsb, *b2 = b1 + rsb, *b3 = b2 + rsb;
+      for (index_t i = 0; i < m; ++i) {
+        const T* ai = a + i * rsa + p * csa;
+        const T a0 = ai[0], a1 = ai[csa], a2 = ai[2 * csa], a3 = ai[3 * csa];
+        T* acc = part + i * n;
+#pragma omp simd
+        for (index_t j = 0; j < n; ++j) acc[j] += a0 * b0[j] + a1 * b1[j] + a2 * b2[j] + a3 * b3[j];
       }
-      for (index_t i = 0; i < m; ++i)
-        for (index_t j = 0; j < w; ++j) c[i * rsc + (jb + j) * csc] = acc[i][j];
+    }
+    for (; p < p1; ++p) {
+      const T* bp = b + p * rsb;
+      for (index_t i = 0; i < m; ++i) {
+        const T av = a[i * rsa + p * csa];
+        T* acc = part + i * n;
+#pragma omp simd
+        for (index_t j = 0; j < n; ++j) acc[j] += av * bp[j];
+      }
+    }
+  }
+  static void gemv_reduce(const T* part, index_t nch, index_t m, index_t n, T* c, index_t rsc, index_t csc,
+                          index_t j0, index_t j1) {
+    for (index_t i = 0; i < m; ++i)
+      for (index_t j = j0; j < j1; ++j) {
+        T s = part[i * n + j];
+        for (index_t ch = 1; ch < nch; ++ch) s += part[(ch * m + i) * n + j];
+        c[i * rsc + j * csc] = s;
+      }
+  }
+  static void gemv(const T* a, index_t rsa, index_t csa, const T* b, index_t rsb, T* c, index_t rsc, index_t csc,
+                   index_t m, index_t n, index_t k, int nthreads) {
+    const index_t nch = max_of<index_t>(1, min_of<index_t>(kGemvChunks, k / kGemvMinChunk));
+    const index_t chunk = ceil_div(k, nch);
+    T* part = static_cast<T*>(scratch(2, std::size_t(nch * m * n) * sizeof(T)));
+    const int nt = int(min_of<index_t>(nthreads, nch));
+    auto run_chunk = [&](index_t ch) {
+      gemv_chunk(a, rsa, csa, b, rsb, m, n, ch * chunk, min_of<index_t>(k, (ch + 1) * chunk), part + ch * m * n);
+    };
+    if (nt <= 1) {
+      for (index_t ch = 0; ch < nch; ++ch) run_chunk(ch);
+      gemv_reduce(part, nch, m, n, c, rsc, csc, 0, n);
+      return;
+    }
+#pragma omp parallel num_threads(nt)
+    {
+#pragma omp for schedule(static)
+      for (index_t ch = 0; ch < nch; ++ch) run_chunk(ch);
+      index_t j0, j1;
+      split_range(n, omp_get_thread_num(), omp_get_num_threads(), j0, j1);
+      gemv_reduce(part, nch, m, n, c, rsc, csc, j0, j1);
     }
   }
 
@@ -171,26 +215,9 @@ struct Gemm {
     const int nt_all = threads_for(per * double(g.batch), g.nthreads);
 
     if (m <= kGemvRows && g.csb == 1) {
-      // Split columns across threads in whole cache lines; each thread streams its part of B.
-      const index_t nchunks = ceil_div(n, 64);
-      const int nt = int(min_of<index_t>(nt_all, nchunks * g.batch));
-      auto work = [&](index_t bi, index_t j0, index_t j1) {
-        gemv_rows(A + off(g.offa, bi), g.rsa, g.csa, B + off(g.offb, bi), g.rsb, C + off(g.offc, bi), g.rsc,
-                  g.csc, m, k, j0, j1);
-      };
-      if (nt <= 1) {
-        for (index_t bi = 0; bi < g.batch; ++bi) work(bi, 0, n);
-        return;
-      }
-#pragma omp parallel num_threads(nt)
-      {
-        const int tid = omp_get_thread_num(), team = omp_get_num_threads();
-        for (index_t bi = 0; bi < g.batch; ++bi) {
-          index_t c0, c1;
-          split_range(nchunks, tid, team, c0, c1);
-          if (c0 < c1) work(bi, c0 * 64, min_of<index_t>(n, c1 * 64));
-        }
-      }
+      for (index_t bi = 0; bi < g.batch; ++bi)
+        gemv(A + off(g.offa, bi), g.rsa, g.csa, B + off(g.offb, bi), g.rsb, C + off(g.offc, bi), g.rsc, g.csc, m, n,
+             k, threads_for(per, g.nthreads));
       return;
     }
 
