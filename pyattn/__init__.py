@@ -7,7 +7,31 @@ functions in plain NumPy (float64), the oracle of the tests.
 """
 from __future__ import annotations
 
-from . import _core
+
+def _load_core():
+    """Import the compiled core. From a source checkout (``python -m pyattn`` in the repository
+    root after ``pip install .``) the local ``pyattn/`` has no extension; the installed build's
+    is then used alongside these sources."""
+    import importlib
+    import os
+    import sys
+
+    try:
+        return importlib.import_module("._core", __name__)
+    except ImportError:
+        here = os.path.dirname(os.path.abspath(__file__))
+        for entry in sys.path:
+            cand = os.path.join(os.path.abspath(entry or os.getcwd()), __name__)
+            if os.path.abspath(cand) == here or not os.path.isdir(cand):
+                continue
+            if any(f.startswith("_core.") and f.endswith((".so", ".pyd")) for f in os.listdir(cand)):
+                __path__.append(cand)
+                return importlib.import_module("._core", __name__)
+        raise
+
+
+_core = _load_core()
+
 from ._api import (
     get_num_threads,
     matmul,

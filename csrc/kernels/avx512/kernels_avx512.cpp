@@ -219,11 +219,13 @@ struct ExpF64 {
 // Block sizes (see the sweep in the README's performance section):
 //  KC: an 8 x KC A micro-panel (8 KiB at KC = 256) stays in L1 across the NC/NR B panels;
 //  NC: a KC x NC packed B block (480 KiB) stays in the 1 MiB L2;
-//  BK: a BK x 48 score tile (48 KiB at 256) lives in L1/L2 between the two attention GEMMs.
+//  BK: the BK x 48 score tile (24 KiB at 128) stays in L1 between the two attention GEMMs and
+//      the softmax; swept single-threaded over 64..512 on L=2048, D=64/128: 128 was ~10% ahead
+//      of 256 and within noise of 384/512, which no longer fit L1 with the Q^T tile.
 struct sgemm_8x48_avx512 : ExpF32 {
   using T = float;
   static constexpr int MR = 8, NR = 48;
-  static constexpr index_t MC = 240, KC = 256, NC = 480, BK = 256;
+  static constexpr index_t MC = 240, KC = 256, NC = 480, BK = 128;
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool acc) {
     PYATTN_UKERNEL_SWITCH(sgemm_ukernel_8x48_avx512_m)

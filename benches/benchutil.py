@@ -1,0 +1,72 @@
+"""Helpers shared by the bench_*.py modules (not a test module).
+
+The benches are pytest-benchmark tests.  Each parametrised item is one implementation on one
+shape; items of one shape share a pytest-benchmark ``group`` so the table compares them side by
+side.  Every item also checks its result against a float64 oracle computed once per shape,
+outside the timed region.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import zlib
+
+import numpy as np
+
+
+def smoke_mode(config) -> bool:
+    """Whether to use the small shape set.
+
+    ``--bench-size=auto`` (the default) picks the small set under ``--benchmark-disable`` (every
+    benchmark then runs once, as a correctness smoke test) and the full perf.md shapes otherwise.
+    """
+    size = config.getoption("bench_size", "auto")
+    if size == "auto":
+        return bool(config.getoption("benchmark_disable", False))
+    return size == "smoke"
+
+
+def rng_for(*key) -> np.random.Generator:
+    """A generator seeded from a readable key, so every run sees the same data."""
+    return np.random.default_rng(zlib.crc32("|".join(map(str, key)).encode()))
+
+
+def normal(rng: np.random.Generator, shape) -> np.ndarray:
+    """Standard normal float32 samples."""
+    return rng.standard_normal(shape, dtype=np.float32)
+
+
+def assert_close(got, expected, rel: float, what: str) -> None:
+    """max |got - expected| <= rel * max |expected| (a tolerance scaled to the output's size)."""
+    got = np.asarray(got)
+    expected = np.asarray(expected)
+    assert got.shape == expected.shape, f"{what}: shape {got.shape}, expected {expected.shape}"
+    scale = float(np.max(np.abs(expected))) if expected.size else 0.0
+    err = float(np.max(np.abs(got.astype(np.float64) - expected))) if expected.size else 0.0
+    assert np.isfinite(err), f"{what}: non-finite values in the result"
+    assert err <= rel * scale + 1e-30, (
+        f"{what}: max abs error {err:.3g} > {rel:g} * max|ref| ({scale:.3g})")
+
+
+def run_timed(benchmark, fn, *, slow_s: float = 1.0, slow_rounds: int = 3):
+    """Time ``fn`` with pytest-benchmark and return its result.
+
+    A call slower than ``slow_s`` (the NumPy reference on the long shapes takes seconds) is timed
+    over ``slow_rounds`` rounds only, after one untimed warm-up call, instead of pytest-benchmark's
+    default calibration (at least 5 rounds).  Under ``--benchmark-disable`` fn runs once.
+    """
+    if not benchmark.enabled:
+        return benchmark(fn)
+    t0 = time.perf_counter()
+    fn()  # warm-up, and a measure of how long one call takes
+    if time.perf_counter() - t0 > slow_s:
+        return benchmark.pedantic(fn, rounds=slow_rounds, iterations=1, warmup_rounds=0)
+    return benchmark(fn)
+
+
+@functools.lru_cache(maxsize=1)
+def pyattn_threads() -> int:
+    import pyattn
+
+    return int(pyattn.get_num_threads())

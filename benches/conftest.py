@@ -1,0 +1,121 @@
+"""pytest configuration for benches/ (pytest-benchmark).
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE pytest benches     # real timings, full shapes
+    pytest benches --benchmark-disable                              # smoke: once each, small
+    python benches/report.py -k attention                           # run, then markdown tables
+
+Use an installed pyattn: ``python -m pytest`` puts the current directory on sys.path, so from
+the repository root it would import the source ``pyattn/`` (no compiled core unless installed
+editable); the ``pytest`` script, report.py (it runs pytest from a temporary directory) or any
+other directory are fine.  ``--bench-size=full|smoke`` overrides the shape set.
+
+``bench_*.py`` files are collected here even though pytest's default ``python_files`` is
+``test_*.py``, so the test suite's command (``pytest tests``) never runs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import io
+import os
+import time
+
+import numpy as np
+import pytest
+
+OPENBLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--bench-size", choices=("auto", "full", "smoke"), default="auto",
+        help="benches: 'full' = the perf.md shapes, 'smoke' = small shapes; 'auto' (default) = "
+             "smoke under --benchmark-disable, full otherwise.")
+
+
+def pytest_collect_file(file_path, parent):
+    """Collect benches/bench_*.py unless python_files already matches them."""
+    if file_path.suffix != ".py" or not fnmatch.fnmatch(file_path.name, "bench_*.py"):
+        return None
+    if parent.session.isinitpath(file_path) or any(
+            fnmatch.fnmatch(file_path.name, pat) for pat in parent.config.getini("python_files")):
+        return None  # the python plugin collects it already (named on the command line, or
+        # matched by python_files)
+    return pytest.Module.from_parent(parent, path=file_path)
+
+
+def openblas_info() -> list:
+    """threadpoolctl's view of the BLAS libraries loaded (NumPy's OpenBLAS core type)."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return []
+    np.matmul(np.ones((2, 2)), np.ones((2, 2)))  # make sure NumPy's BLAS is loaded
+    return [{k: d.get(k) for k in ("internal_api", "architecture", "num_threads", "version",
+                                   "filepath")}
+            for d in threadpool_info() if d.get("user_api") == "blas"]
+
+
+def pyattn_config() -> str:
+    import pyattn
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        ret = pyattn.show_config()
+    text = buf.getvalue().strip()
+    if ret is not None and not text:
+        text = str(ret)
+    return text
+
+
+def measure_sgemm_gflops(n: int = 2048, reps: int = 7) -> float:
+    """NumPy float32 n x n matmul, GFLOP/s of the best of ``reps`` calls: the practical peak
+    the report divides by (the best call, as a peak is; the machine is shared and noisy)."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    c = np.empty((n, n), np.float32)
+    np.matmul(a, b, out=c)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.matmul(a, b, out=c)
+        times.append(time.perf_counter() - t0)
+    return 2.0 * n**3 / min(times) / 1e9
+
+
+def pytest_report_header(config):
+    lines = []
+    blas = openblas_info()
+    if blas:
+        lines.append("benches: NumPy BLAS: " + "; ".join(
+            f"{d['internal_api']} {d['version']} core={d['architecture']} "
+            f"threads={d['num_threads']}" for d in blas))
+    set_vars = [f"{v}={os.environ[v]}" for v in OPENBLAS_VARS if v in os.environ]
+    if set_vars and not config.getoption("benchmark_disable", False):
+        lines.append("benches: WARNING " + " ".join(set_vars) + " is set: NumPy's OpenBLAS uses "
+                     "an old kernel; run with `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE` "
+                     "for a fair NumPy peer (perf.md)")
+    return lines
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    """Record what the report needs to read the numbers: BLAS core, threads, versions, peak."""
+    import pyattn
+
+    from peers import versions
+
+    machine_info["pyattn"] = {
+        "version": getattr(pyattn, "__version__", None),
+        "file": pyattn.__file__,
+        "num_threads": int(pyattn.get_num_threads()),
+        "config": pyattn_config(),
+    }
+    machine_info["numpy"] = np.__version__
+    machine_info["blas"] = openblas_info()
+    machine_info["openblas_env"] = {v: os.environ.get(v) for v in OPENBLAS_VARS}
+    machine_info["peers"] = versions()
+    machine_info["sgemm_peak_gflops"] = measure_sgemm_gflops()
+    if hasattr(os, "getloadavg"):
+        machine_info["loadavg_end"] = os.getloadavg()
