@@ -101,13 +101,19 @@ struct Attention {
     }
   }
 
-  // S^T block = K[k0:k0+kb] Q^T, masked.
-  void scores(index_t bh, index_t q0, index_t qc, index_t k0, index_t kb, const T* qt, T* st) const {
+  // S^T blocks of np query panels = K[k0:k0+kb] Q^T, eight keys at a time across all panels so
+  // those K rows are read from memory once and from L1 for the other panels; then masked.
+  void scores(index_t bh, index_t q0, index_t k0, index_t kb, Tile* t, int np) const {
     const T* kblk = Kp + a.koff[bh] + k0 * a.k_rs;
-    for (index_t j = 0; j < kb; j += MR)
-      K::ukernel(int(min_of<index_t>(MR, kb - j)), a.E, kblk + j * a.k_rs, a.k_rs, 1, qt, NR, st + j * NR,
-                 NR, NR, false);
-    mask_block(bh, q0, qc, k0, kb, st);
+    for (index_t j = 0; j < kb; j += MR) {
+      const int mr = int(min_of<index_t>(MR, kb - j));
+      for (int p = 0; p < np; ++p)
+        K::ukernel(mr, a.E, kblk + j * a.k_rs, a.k_rs, 1, t[p].qt, NR, t[p].st + j * NR, NR, NR, false);
+    }
+    for (int p = 0; p < np; ++p) {
+      const index_t qp = q0 + p * NR;
+      mask_block(bh, qp, min_of<index_t>(NR, a.Lq - qp), k0, kb, t[p].st);
+    }
   }
 
   //   m' = max(m, colmax(st)); sub = m' or 0 if m' = -inf; alpha = exp2(m - sub);
@@ -131,41 +137,52 @@ struct Attention {
     for (index_t j = 0; j < kb; ++j) K::exp2_sub_cols(t.st + j * NR, t.sub, t.csum, NR);
 #pragma omp simd
     for (int c = 0; c < NR; ++c) t.l[c] = t.alpha[c] * t.l[c] + t.csum[c];
-  }
-
-  // acc^T *= alpha (only when some running max moved), then acc^T += V_blk^T P^T.
-  void accumulate(index_t bh, index_t k0, index_t kb, Tile& t) const {
+    // acc^T *= alpha, only when some running max moved
     bool moved = false;
     for (int c = 0; c < NR; ++c) moved |= t.alpha[c] != T(1);
     if (moved) {
-      for (index_t d = 0; d < a.Ev; ++d) {
-        T* ad = t.acc + d * NR;
+      for (T* ad = t.acc; ad != t.m; ad += NR) {
 #pragma omp simd
         for (int c = 0; c < NR; ++c) ad[c] *= t.alpha[c];
       }
     }
-    const T* vblk = V + a.voff[bh] + k0 * a.v_rs;
-    for (index_t d = 0; d < a.Ev; d += MR)
-      K::ukernel(int(min_of<index_t>(MR, a.Ev - d)), kb, vblk + d, 1, a.v_rs, t.st, NR, t.acc + d * NR, NR,
-                 NR, true);
   }
 
-  void query_tile(index_t bh, index_t q0, Tile& t) const {
-    const index_t qc = min_of<index_t>(NR, a.Lq - q0);
-    const index_t kend = key_end(q0 + qc - 1);
-    pack_qt(Q + a.qoff[bh] + q0 * a.q_rs, qc, t.qt);
-    for (int c = 0; c < NR; ++c) {
-      t.m[c] = -kInf;
-      t.l[c] = T(0);
+  // acc^T += V_blk^T P^T for every panel, eight value columns at a time across the panels.
+  void accumulate(index_t bh, index_t k0, index_t kb, Tile* t, int np) const {
+    const T* vblk = V + a.voff[bh] + k0 * a.v_rs;
+    for (index_t d = 0; d < a.Ev; d += MR) {
+      const int mr = int(min_of<index_t>(MR, a.Ev - d));
+      for (int p = 0; p < np; ++p)
+        K::ukernel(mr, kb, vblk + d, 1, a.v_rs, t[p].st, NR, t[p].acc + d * NR, NR, NR, true);
     }
-    for (index_t x = 0; x < a.Ev * NR; ++x) t.acc[x] = T(0);
+  }
+
+  // Queries [q0, q0 + np*NR) of problem bh: np panels of NR queries share each K/V block.
+  void query_group(index_t bh, index_t q0, int np, Tile* t) const {
+    np = int(min_of<index_t>(np, ceil_div(a.Lq - q0, NR)));
+    const index_t kend = key_end(min_of<index_t>(a.Lq, q0 + np * NR) - 1);
+    for (int p = 0; p < np; ++p) {
+      const index_t qp = q0 + p * NR;
+      pack_qt(Q + a.qoff[bh] + qp * a.q_rs, min_of<index_t>(NR, a.Lq - qp), t[p].qt);
+      for (int c = 0; c < NR; ++c) {
+        t[p].m[c] = -kInf;
+        t[p].l[c] = T(0);
+      }
+      for (index_t x = 0; x < a.Ev * NR; ++x) t[p].acc[x] = T(0);
+    }
     for (index_t k0 = 0; k0 < kend; k0 += BK) {
       const index_t kb = min_of<index_t>(BK, kend - k0);
-      scores(bh, q0, qc, k0, kb, t.qt, t.st);
-      online_softmax(kb, t);
-      accumulate(bh, k0, kb, t);
+      scores(bh, q0, k0, kb, t, np);
+      for (int p = 0; p < np; ++p) online_softmax(kb, t[p]);
+      accumulate(bh, k0, kb, t, np);
     }
-    // out = acc / l (zeros where no key was visible), lse = ln(2) * (m + log2(l))
+    for (int p = 0; p < np; ++p) finish_panel(bh, q0 + p * NR, kend, t[p]);
+  }
+
+  // out = acc / l (zeros where no key was visible), lse = ln(2) * (m + log2(l)); weights if asked.
+  void finish_panel(index_t bh, index_t q0, index_t kend, Tile& t) const {
+    const index_t qc = min_of<index_t>(NR, a.Lq - q0);
     T* o = O + a.ooff[bh] + q0 * a.o_rs;
     for (index_t c = 0; c < qc; ++c) {
       const T inv = t.l[c] > T(0) ? T(1) / t.l[c] : T(0);
@@ -174,7 +191,7 @@ struct Attention {
       for (index_t d = 0; d < a.Ev; ++d) orow[d] = t.acc[d * NR + c] * inv;
       if (Lse) Lse[a.lseoff[bh] + (q0 + c) * a.lse_s] = lse_of(t.m[c], t.l[c]);
     }
-    if (W) weights_tile(bh, q0, qc, kend, t);
+    if (W) weights_panel(bh, q0, qc, kend, t);
   }
 
   static T lse_of(T m, T l) {
@@ -183,12 +200,12 @@ struct Attention {
   }
 
   // Second sweep for return_weights: W[q, j] = exp2(S^T[j, q] - m_q) / l_q, written exactly once.
-  void weights_tile(index_t bh, index_t q0, index_t qc, index_t kend, Tile& t) const {
+  void weights_panel(index_t bh, index_t q0, index_t qc, index_t kend, Tile& t) const {
     const T* inv = t.csum;
     T* w = W + a.woff[bh] + q0 * a.w_rs;
     for (index_t k0 = 0; k0 < kend; k0 += BK) {
       const index_t kb = min_of<index_t>(BK, kend - k0);
-      scores(bh, q0, qc, k0, kb, t.qt, t.st);
+      scores(bh, q0, k0, kb, &t, 1);
       for (index_t j = 0; j < kb; ++j) K::exp2_sub_cols(t.st + j * NR, t.sub, t.alpha, NR);
       for (index_t c = 0; c < qc; ++c) {
         T* wr = w + c * a.w_rs + k0;
@@ -198,26 +215,32 @@ struct Attention {
   }
 
   void prefill() const {
-    const index_t nqt = ceil_div(a.Lq, NR);
-    const index_t ntasks = a.bh * nqt;
-    const std::size_t bytes = tile_scratch(a.E, a.Ev);
+    constexpr int NP = K::NP;
+    const index_t ngroups = ceil_div(a.Lq, index_t(NP) * NR);
+    const index_t ntasks = a.bh * ngroups;
+    const std::size_t bytes = NP * tile_scratch(a.E, a.Ev);
     const double work = double(a.bh) * double(a.Lq) * double(a.Lk) * double(a.E + a.Ev);
     const int nt = int(min_of<index_t>(threads_for(work, a.nthreads), ntasks));
-    // Causal tiles near the end of the sequence do the most work: hand them out first.
-    auto task = [&](index_t t, Tile& tile) {
-      const index_t qt = nqt - 1 - t / a.bh;
-      query_tile(t % a.bh, qt * NR, tile);
+    auto carve_all = [&](T* base, Tile* t) {
+      for (int p = 0; p < NP; ++p) t[p] = carve(base + p * (bytes / NP / sizeof(T)));
+    };
+    // Causal groups near the end of the sequence do the most work: hand them out first.
+    auto task = [&](index_t i, Tile* t) {
+      const index_t g = ngroups - 1 - i / a.bh;
+      query_group(i % a.bh, g * NP * NR, NP, t);
     };
     if (nt <= 1) {
-      Tile tile = carve(static_cast<T*>(scratch(0, bytes)));
-      for (index_t t = 0; t < ntasks; ++t) task(t, tile);
+      Tile t[NP];
+      carve_all(static_cast<T*>(scratch(0, bytes)), t);
+      for (index_t i = 0; i < ntasks; ++i) task(i, t);
       return;
     }
 #pragma omp parallel num_threads(nt)
     {
-      Tile tile = carve(static_cast<T*>(scratch(0, bytes)));
+      Tile t[NP];
+      carve_all(static_cast<T*>(scratch(0, bytes)), t);
 #pragma omp for schedule(dynamic, 1)
-      for (index_t t = 0; t < ntasks; ++t) task(t, tile);
+      for (index_t i = 0; i < ntasks; ++i) task(i, t);
     }
   }
 

@@ -230,7 +230,7 @@ static inline __m256d fma_pd(__m256d a, __m256d b, __m256d c) { return _mm256_fm
 // Block sizes: 6 x KC A micro-panel (6 KiB) in L1, KC x NC packed B (512 KiB) in L2.
 struct sgemm_6x16_avx2 : ExpAvx2<float, __m256, 8, exp2_ps, ld_ps, st_ps, sub_ps, add_ps, set1_ps, fma_ps> {
   using T = float;
-  static constexpr int MR = 6, NR = 16;
+  static constexpr int MR = 6, NR = 16, NP = 4;
   static constexpr index_t MC = 120, KC = 256, NC = 512, BK = 256;
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool acc) {
@@ -239,7 +239,7 @@ struct sgemm_6x16_avx2 : ExpAvx2<float, __m256, 8, exp2_ps, ld_ps, st_ps, sub_ps
 };
 struct dgemm_6x8_avx2 : ExpAvx2<double, __m256d, 4, exp2_pd, ld_pd, st_pd, sub_pd, add_pd, set1_pd, fma_pd> {
   using T = double;
-  static constexpr int MR = 6, NR = 8;
+  static constexpr int MR = 6, NR = 8, NP = 4;
   static constexpr index_t MC = 120, KC = 256, NC = 256, BK = 128;
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool acc) {

@@ -217,6 +217,7 @@ struct ExpF64 {
   }
 
 // Block sizes (see the sweep in the README's performance section):
+//  NP: query panels of NR per attention task; both panels reuse each K/V row from L1.
 //  KC: an 8 x KC A micro-panel (8 KiB at KC = 256) stays in L1 across the NC/NR B panels;
 //  NC: a KC x NC packed B block (480 KiB) stays in the 1 MiB L2;
 //  BK: the BK x 48 score tile (24 KiB at 128) stays in L1 between the two attention GEMMs and
@@ -224,7 +225,7 @@ struct ExpF64 {
 //      of 256 and within noise of 384/512, which no longer fit L1 with the Q^T tile.
 struct sgemm_8x48_avx512 : ExpF32 {
   using T = float;
-  static constexpr int MR = 8, NR = 48;
+  static constexpr int MR = 8, NR = 48, NP = 2;
   static constexpr index_t MC = 240, KC = 256, NC = 480, BK = 128;
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool acc) {
@@ -233,7 +234,7 @@ struct sgemm_8x48_avx512 : ExpF32 {
 };
 struct dgemm_8x24_avx512 : ExpF64 {
   using T = double;
-  static constexpr int MR = 8, NR = 24;
+  static constexpr int MR = 8, NR = 24, NP = 2;
   static constexpr index_t MC = 120, KC = 256, NC = 240, BK = 128;
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool acc) {

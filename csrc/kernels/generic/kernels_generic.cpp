@@ -54,7 +54,7 @@ struct GenericKernels {
 // Block sizes: register tile MR x NR, cache blocks MC x KC x NC, attention key block BK.
 struct sgemm_4x16_generic : GenericKernels<float> {
   using T = float;
-  static constexpr int MR = 4, NR = 16;
+  static constexpr int MR = 4, NR = 16, NP = 2;
   static constexpr index_t MC = 128, KC = 256, NC = 512, BK = 128;
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool accumulate) {
@@ -63,7 +63,7 @@ struct sgemm_4x16_generic : GenericKernels<float> {
 };
 struct dgemm_4x8_generic : GenericKernels<double> {
   using T = double;
-  static constexpr int MR = 4, NR = 8;
+  static constexpr int MR = 4, NR = 8, NP = 2;
   static constexpr index_t MC = 128, KC = 256, NC = 256, BK = 128;
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool accumulate) {
