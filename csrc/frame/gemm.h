@@ -79,32 +79,40 @@ struct Gemm {
                    index_t rsc, index_t csc, index_t m, index_t n, index_t k, int tid, int nt, T* ap,
                    T* bp) {
     const index_t npa = ceil_div(m, MR), npb = ceil_div(n, NR);
+    // Each thread takes a rectangle of whole panels: a run of NR-column panels when there are
+    // enough of them, else a run of MR-row panels. The operand the threads share is packed by
+    // all of them in equal parts; the other one each thread packs for itself, only its own
+    // panels, so packing stays balanced and needs no second barrier.
+    index_t r0 = 0, r1 = npa, c0 = 0, c1 = npb;
+    const bool split_cols = npb >= 4 * nt || npb >= npa;
+    if (nt > 1) {
+      if (split_cols)
+        split_range(npb, tid, nt, c0, c1);
+      else
+        split_range(npa, tid, nt, r0, r1);
+    }
+    auto pack_a_panels = [&](index_t pc, index_t kc, index_t i0, index_t i1) {
+      for (index_t i = i0; i < i1; ++i)
+        pack_a(a + i * MR * rsa + pc * csa, rsa, csa, int(min_of<index_t>(MR, m - i * MR)), kc, ap + i * MR * kc);
+    };
+    auto pack_b_panels = [&](index_t pc, index_t kc, index_t j0, index_t j1) {
+      for (index_t j = j0; j < j1; ++j)
+        pack_b(b + pc * rsb + j * NR * csb, rsb, csb, int(min_of<index_t>(NR, n - j * NR)), kc, bp + j * NR * kc);
+    };
     for (index_t pc = 0; pc < k; pc += K::KC) {
       const index_t kc = min_of<index_t>(K::KC, k - pc);
-      index_t p0, p1;
-      split_range(npa + npb, tid, nt, p0, p1);
-      for (index_t i = p0; i < p1; ++i) {
-        if (i < npa)
-          pack_a(a + i * MR * rsa + pc * csa, rsa, csa, int(min_of<index_t>(MR, m - i * MR)), kc,
-                 ap + i * MR * kc);
-        else {
-          index_t j = i - npa;
-          pack_b(b + pc * rsb + j * NR * csb, rsb, csb, int(min_of<index_t>(NR, n - j * NR)), kc,
-                 bp + j * NR * kc);
-        }
+      index_t s0, s1;
+      if (split_cols) {
+        split_range(npa, tid, nt, s0, s1);
+        pack_a_panels(pc, kc, s0, s1);
+        pack_b_panels(pc, kc, c0, c1);
+      } else {
+        split_range(npb, tid, nt, s0, s1);
+        pack_b_panels(pc, kc, s0, s1);
+        pack_a_panels(pc, kc, r0, r1);
       }
       if (nt > 1) {
 #pragma omp barrier
-      }
-      // Each thread takes a rectangle of whole panels: a run of NR-column panels when there are
-      // enough of them (it then packs nothing twice and keeps its B panels in L2), else a run
-      // of MR-row panels.
-      index_t r0 = 0, r1 = npa, c0 = 0, c1 = npb;
-      if (nt > 1) {
-        if (npb >= 4 * nt || npb >= npa)
-          split_range(npb, tid, nt, c0, c1);
-        else
-          split_range(npa, tid, nt, r0, r1);
       }
       constexpr index_t mcp = K::MC / MR, ncp = K::NC / NR;  // block sizes in panels
       for (index_t jb = c0; jb < c1; jb += ncp) {
