@@ -216,7 +216,14 @@ struct ExpF64 {
     default: return NAME<1>(k, a, rsa, csa, b, ldb, c, ldc, nr, acc); \
   }
 
-// Block sizes (see the sweep in the README's performance section):
+// Block sizes. GEMM sweep (2 threads, GFLOP/s, builds compared in one process; MC x KC x NC):
+//                   240x128x480  240x192x480  240x256x480  240x384x480  240x256x240  240x256x960  480x256x480
+//   512^3               172          178          180          185          181          181          182
+//   2048^3              193          194          197          199          196          197          197
+//   128x768x2304        183          185          189          183          182          184          186
+//   2048x1024x4096      186          189          196          197          193          198          196
+// KC below 256 pays for more C traffic and packing rounds; MC and NC barely matter once the
+// blocks fit (L2 1 MiB per core), so the middle of the flat region is kept.
 //  NP: query panels of NR per attention task; both panels reuse each K/V row from L1.
 //  KC: an 8 x KC A micro-panel (8 KiB at KC = 256) stays in L1 across the NC/NR B panels;
 //  NC: a KC x NC packed B block (480 KiB) stays in the 1 MiB L2;
