@@ -38,3 +38,12 @@ inline int threads_for(double work, int nthreads) {
 
 constexpr double kLog2e = 1.4426950408889634074;
 constexpr double kLn2 = 0.69314718055994530942;
+
+// dst[p*MR + r] = a[r*rsa + p] for a full panel of MR rows with unit column stride.
+template <class T, int MR>
+inline void pack_a_rows_ref(const T* a, index_t rsa, index_t kc, T* dst) {
+  for (int r = 0; r < MR; ++r) {
+    const T* ar = a + r * rsa;
+    for (index_t p = 0; p < kc; ++p) dst[p * MR + r] = ar[p];
+  }
+}

@@ -17,6 +17,10 @@ struct Gemm {
 
   // dst[p*MR + r] = a[r*rsa + p*csa] for r < rows; rows rows..MR-1 are zero.
   static void pack_a(const T* a, index_t rsa, index_t csa, int rows, index_t kc, T* dst) {
+    if (csa == 1 && rows == MR) {
+      K::pack_a_rows(a, rsa, kc, dst);
+      return;
+    }
     if (csa == 1) {
       for (int r = 0; r < rows; ++r) {
         const T* ar = a + r * rsa;

@@ -232,6 +232,9 @@ struct sgemm_6x16_avx2 : ExpAvx2<float, __m256, 8, exp2_ps, ld_ps, st_ps, sub_ps
   using T = float;
   static constexpr int MR = 6, NR = 16, NP = 4;
   static constexpr index_t MC = 120, KC = 256, NC = 512, BK = 256;
+  static void pack_a_rows(const T* a, index_t rsa, index_t kc, T* dst) {
+    pack_a_rows_ref<T, MR>(a, rsa, kc, dst);
+  }
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool acc) {
     PYATTN_UKERNEL_SWITCH(sgemm_ukernel_6x16_avx2_m)
@@ -241,6 +244,9 @@ struct dgemm_6x8_avx2 : ExpAvx2<double, __m256d, 4, exp2_pd, ld_pd, st_pd, sub_p
   using T = double;
   static constexpr int MR = 6, NR = 8, NP = 4;
   static constexpr index_t MC = 120, KC = 256, NC = 256, BK = 128;
+  static void pack_a_rows(const T* a, index_t rsa, index_t kc, T* dst) {
+    pack_a_rows_ref<T, MR>(a, rsa, kc, dst);
+  }
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool acc) {
     PYATTN_UKERNEL_SWITCH(dgemm_ukernel_6x8_avx2_m)

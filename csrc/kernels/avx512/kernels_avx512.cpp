@@ -234,6 +234,36 @@ struct sgemm_8x48_avx512 : ExpF32 {
   using T = float;
   static constexpr int MR = 8, NR = 48, NP = 2;
   static constexpr index_t MC = 240, KC = 256, NC = 480, BK = 128;
+  //   dst[p*8 + r] = a[r*rsa + p]: 8x8 blocks transposed in registers (unpack, shuffle, permute)
+  static void pack_a_rows(const T* a, index_t rsa, index_t kc, T* dst) {
+    index_t p = 0;
+    for (; p + 8 <= kc; p += 8) {
+      __m256 r[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(a + i * rsa + p);
+      __m256 t[8], u[8];
+#pragma GCC unroll 4
+      for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+      }
+#pragma GCC unroll 2
+      for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+      }
+      float* d = dst + p * 8;
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(d + i * 8, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+        _mm256_storeu_ps(d + (i + 4) * 8, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+      }
+    }
+    for (; p < kc; ++p)
+      for (int i = 0; i < 8; ++i) dst[p * 8 + i] = a[i * rsa + p];
+  }
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool acc) {
     PYATTN_UKERNEL_SWITCH(sgemm_ukernel_8x48_avx512_m)
@@ -243,6 +273,9 @@ struct dgemm_8x24_avx512 : ExpF64 {
   using T = double;
   static constexpr int MR = 8, NR = 24, NP = 2;
   static constexpr index_t MC = 120, KC = 256, NC = 240, BK = 128;
+  static void pack_a_rows(const T* a, index_t rsa, index_t kc, T* dst) {
+    pack_a_rows_ref<T, MR>(a, rsa, kc, dst);
+  }
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool acc) {
     PYATTN_UKERNEL_SWITCH(dgemm_ukernel_8x24_avx512_m)
