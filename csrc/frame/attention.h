@@ -275,21 +275,10 @@ struct Attention {
     const T* vbase = V + a.voff[h0];
     for (index_t k0 = j0; k0 < j1; k0 += DB) {
       const index_t kb = min_of<index_t>(DB, j1 - k0);
-      // s[x, j] = q_x . k_j, four keys at a time (the ISA's dot4 keeps four accumulators).
-      index_t j = 0;
-      for (; j + 4 <= kb; j += 4) {
-        const T* k0r = kbase + (k0 + j) * a.k_rs;
-        for (index_t x = 0; x < r.R; ++x) K::dot4(r.q + x * E, k0r, a.k_rs, E, r.s + x * DB + j);
-      }
-      for (; j < kb; ++j) {
+      // s[x, j] = q_x . k_j, key rows read in order (see frame/rowops.h)
+      for (index_t j = 0; j < kb; ++j) {
         const T* kr = kbase + (k0 + j) * a.k_rs;
-        for (index_t x = 0; x < r.R; ++x) {
-          const T* qx = r.q + x * E;
-          T s = T(0);
-#pragma omp simd reduction(+ : s)
-          for (index_t e = 0; e < E; ++e) s += qx[e] * kr[e];
-          r.s[x * DB + j] = s;
-        }
+        for (index_t x = 0; x < r.R; ++x) r.s[x * DB + j] = K::dot1(r.q + x * E, kr, E);
       }
       for (index_t x = 0; x < r.R; ++x) {
         const index_t h = h0 + x / Lq, qi = x % Lq;
@@ -319,28 +308,8 @@ struct Attention {
           for (index_t d = 0; d < Ev; ++d) ax[d] *= alpha;
         }
       }
-      // acc_x += sum_j p[x, j] v_j, four value rows per pass over acc_x.
-      j = 0;
-      for (; j + 4 <= kb; j += 4) {
-        const T* v0 = vbase + (k0 + j) * a.v_rs;
-        const T *v1 = v0 + a.v_rs, *v2 = v1 + a.v_rs, *v3 = v2 + a.v_rs;
-        for (index_t x = 0; x < r.R; ++x) {
-          const T* px = r.s + x * DB + j;
-          const T p0 = px[0], p1 = px[1], p2 = px[2], p3 = px[3];
-          T* ax = r.acc + x * Ev;
-#pragma omp simd
-          for (index_t d = 0; d < Ev; ++d) ax[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
-        }
-      }
-      for (; j < kb; ++j) {
-        const T* vr = vbase + (k0 + j) * a.v_rs;
-        for (index_t x = 0; x < r.R; ++x) {
-          const T p = r.s[x * DB + j];
-          T* ax = r.acc + x * Ev;
-#pragma omp simd
-          for (index_t d = 0; d < Ev; ++d) ax[d] += p * vr[d];
-        }
-      }
+      // acc_x += sum_j p[x, j] v_j, the accumulator chunk held in registers over the block
+      K::pv_rows(r.s, DB, r.R, kb, vbase + k0 * a.v_rs, a.v_rs, Ev, r.acc);
     }
   }
 

@@ -148,26 +148,21 @@ static inline __m256d exp2_pd(__m256d x) {
 template <class T, class V, int L, V (*Exp)(V), V (*Load)(const T*), void (*Store)(T*, V), V (*Sub)(V, V),
           V (*Add)(V, V), V (*Set1)(T), V (*Fma)(V, V, V)>
 struct ExpAvx2 {
-  //   out[r] = q . k_r for the 4 rows k_r = k + r*rs
-  static void dot4(const T* q, const T* k, index_t rs, index_t n, T* out) {
-    V s0 = Set1(T(0)), s1 = s0, s2 = s0, s3 = s0;
+  //   q . k, the row read in order
+  static T dot1(const T* q, const T* k, index_t n) {
+    V a0 = Set1(T(0)), a1 = a0;
     index_t e = 0;
-    for (; e + L <= n; e += L) {
-      const V qv = Load(q + e);
-      s0 = Fma(qv, Load(k + e), s0);
-      s1 = Fma(qv, Load(k + rs + e), s1);
-      s2 = Fma(qv, Load(k + 2 * rs + e), s2);
-      s3 = Fma(qv, Load(k + 3 * rs + e), s3);
+    for (; e + 2 * L <= n; e += 2 * L) {
+      a0 = Fma(Load(q + e), Load(k + e), a0);
+      a1 = Fma(Load(q + e + L), Load(k + e + L), a1);
     }
-    const V* acc[4] = {&s0, &s1, &s2, &s3};
-    for (int r = 0; r < 4; ++r) {
-      alignas(32) T lanes[L];
-      Store(lanes, *acc[r]);
-      T t = T(0);
-      for (int j = 0; j < L; ++j) t += lanes[j];
-      for (index_t i = e; i < n; ++i) t += q[i] * k[r * rs + i];
-      out[r] = t;
-    }
+    for (; e + L <= n; e += L) a0 = Fma(Load(q + e), Load(k + e), a0);
+    alignas(32) T lanes[L];
+    Store(lanes, Add(a0, a1));
+    T t = T(0);
+    for (int j = 0; j < L; ++j) t += lanes[j];
+    for (; e < n; ++e) t += q[e] * k[e];
+    return t;
   }
   //   x[i] = exp2(x[i] - sub[i]); sum[i] += x[i]
   static void exp2_sub_cols(T* x, const T* sub, T* sum, int n) {
@@ -217,6 +212,29 @@ static inline __m256d add_pd(__m256d a, __m256d b) { return _mm256_add_pd(a, b);
 static inline __m256d set1_pd(double v) { return _mm256_set1_pd(v); }
 static inline __m256d fma_pd(__m256d a, __m256d b, __m256d c) { return _mm256_fmadd_pd(a, b, c); }
 
+#include "frame/rowops.h"
+
+struct OpsAvx2F32 {
+  using Mask = __m256i;
+  static Mask mask(int n) { return lane_mask32(n); }
+  static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+  static __m256 maskload(Mask m, const float* p) { return _mm256_maskload_ps(p, m); }
+  static void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+  static void maskstore(Mask m, float* p, __m256 v) { _mm256_maskstore_ps(p, m, v); }
+  static __m256 set1(float v) { return _mm256_set1_ps(v); }
+  static __m256 fma(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+};
+struct OpsAvx2F64 {
+  using Mask = __m256i;
+  static Mask mask(int n) { return lane_mask64(n); }
+  static __m256d load(const double* p) { return _mm256_loadu_pd(p); }
+  static __m256d maskload(Mask m, const double* p) { return _mm256_maskload_pd(p, m); }
+  static void store(double* p, __m256d v) { _mm256_storeu_pd(p, v); }
+  static void maskstore(Mask m, double* p, __m256d v) { _mm256_maskstore_pd(p, m, v); }
+  static __m256d set1(double v) { return _mm256_set1_pd(v); }
+  static __m256d fma(__m256d a, __m256d b, __m256d c) { return _mm256_fmadd_pd(a, b, c); }
+};
+
 #define PYATTN_UKERNEL_SWITCH(NAME)                                     \
   switch (mr) {                                                         \
     case 6: return NAME<6>(k, a, rsa, csa, b, ldb, c, ldc, nr, acc);    \
@@ -235,6 +253,9 @@ struct sgemm_6x16_avx2 : ExpAvx2<float, __m256, 8, exp2_ps, ld_ps, st_ps, sub_ps
   static void pack_a_rows(const T* a, index_t rsa, index_t kc, T* dst) {
     pack_a_rows_ref<T, MR>(a, rsa, kc, dst);
   }
+  static void pv_rows(const T* p, index_t ps, index_t R, index_t kb, const T* v, index_t v_rs, index_t Ev, T* acc) {
+    pv_rows_impl<T, __m256, 8, OpsAvx2F32>(p, ps, R, kb, v, v_rs, Ev, acc);
+  }
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool acc) {
     PYATTN_UKERNEL_SWITCH(sgemm_ukernel_6x16_avx2_m)
@@ -246,6 +267,9 @@ struct dgemm_6x8_avx2 : ExpAvx2<double, __m256d, 4, exp2_pd, ld_pd, st_pd, sub_p
   static constexpr index_t MC = 120, KC = 256, NC = 256, BK = 128;
   static void pack_a_rows(const T* a, index_t rsa, index_t kc, T* dst) {
     pack_a_rows_ref<T, MR>(a, rsa, kc, dst);
+  }
+  static void pv_rows(const T* p, index_t ps, index_t R, index_t kb, const T* v, index_t v_rs, index_t Ev, T* acc) {
+    pv_rows_impl<T, __m256d, 4, OpsAvx2F64>(p, ps, R, kb, v, v_rs, Ev, acc);
   }
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool acc) {

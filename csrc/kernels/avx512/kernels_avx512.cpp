@@ -127,22 +127,47 @@ static inline __m512d exp2_pd(__m512d x) {
   return _mm512_scalef_pd(p, n);
 }
 
+#include "frame/rowops.h"
+
+struct OpsF32 {
+  using Mask = __mmask16;
+  static Mask mask(int n) { return n >= 16 ? Mask(0xFFFF) : Mask((1u << n) - 1); }
+  static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+  static __m512 maskload(Mask m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+  static void store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+  static void maskstore(Mask m, float* p, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
+  static __m512 set1(float v) { return _mm512_set1_ps(v); }
+  static __m512 fma(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+};
+struct OpsF64 {
+  using Mask = __mmask8;
+  static Mask mask(int n) { return n >= 8 ? Mask(0xFF) : Mask((1u << n) - 1); }
+  static __m512d load(const double* p) { return _mm512_loadu_pd(p); }
+  static __m512d maskload(Mask m, const double* p) { return _mm512_maskz_loadu_pd(m, p); }
+  static void store(double* p, __m512d v) { _mm512_storeu_pd(p, v); }
+  static void maskstore(Mask m, double* p, __m512d v) { _mm512_mask_storeu_pd(p, m, v); }
+  static __m512d set1(double v) { return _mm512_set1_pd(v); }
+  static __m512d fma(__m512d a, __m512d b, __m512d c) { return _mm512_fmadd_pd(a, b, c); }
+};
+
 struct ExpF32 {
-  //   out[r] = q . k_r for the 4 rows k_r = k + r*rs (4 accumulators in flight, one q load each)
-  static void dot4(const float* q, const float* k, index_t rs, index_t n, float* out) {
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    for (index_t e = 0; e < n; e += 16) {
-      const __mmask16 m = n - e >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - e)) - 1);
-      const __m512 qv = _mm512_maskz_loadu_ps(m, q + e);
-      s0 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k + e), s0);
-      s1 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k + rs + e), s1);
-      s2 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k + 2 * rs + e), s2);
-      s3 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k + 3 * rs + e), s3);
+  //   q . k, the row read in order
+  static float dot1(const float* q, const float* k, index_t n) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+    index_t e = 0;
+    for (; e + 32 <= n; e += 32) {
+      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + e), _mm512_loadu_ps(k + e), a0);
+      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + e + 16), _mm512_loadu_ps(k + e + 16), a1);
     }
-    out[0] = _mm512_reduce_add_ps(s0);
-    out[1] = _mm512_reduce_add_ps(s1);
-    out[2] = _mm512_reduce_add_ps(s2);
-    out[3] = _mm512_reduce_add_ps(s3);
+    for (; e < n; e += 16) {
+      const __mmask16 m = OpsF32::mask(int(n - e));
+      a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + e), _mm512_maskz_loadu_ps(m, k + e), a0);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+  }
+  static void pv_rows(const float* p, index_t ps, index_t R, index_t kb, const float* v, index_t v_rs, index_t Ev,
+                      float* acc) {
+    pv_rows_impl<float, __m512, 16, OpsF32>(p, ps, R, kb, v, v_rs, Ev, acc);
   }
   //   x[i] = exp2(x[i] - sub[i]); sum[i] += x[i]
   static void exp2_sub_cols(float* x, const float* sub, float* sum, int n) {
@@ -168,20 +193,22 @@ struct ExpF32 {
 };
 
 struct ExpF64 {
-  static void dot4(const double* q, const double* k, index_t rs, index_t n, double* out) {
-    __m512d s0 = _mm512_setzero_pd(), s1 = s0, s2 = s0, s3 = s0;
-    for (index_t e = 0; e < n; e += 8) {
-      const __mmask8 m = n - e >= 8 ? __mmask8(0xFF) : __mmask8((1u << (n - e)) - 1);
-      const __m512d qv = _mm512_maskz_loadu_pd(m, q + e);
-      s0 = _mm512_fmadd_pd(qv, _mm512_maskz_loadu_pd(m, k + e), s0);
-      s1 = _mm512_fmadd_pd(qv, _mm512_maskz_loadu_pd(m, k + rs + e), s1);
-      s2 = _mm512_fmadd_pd(qv, _mm512_maskz_loadu_pd(m, k + 2 * rs + e), s2);
-      s3 = _mm512_fmadd_pd(qv, _mm512_maskz_loadu_pd(m, k + 3 * rs + e), s3);
+  static double dot1(const double* q, const double* k, index_t n) {
+    __m512d a0 = _mm512_setzero_pd(), a1 = a0;
+    index_t e = 0;
+    for (; e + 16 <= n; e += 16) {
+      a0 = _mm512_fmadd_pd(_mm512_loadu_pd(q + e), _mm512_loadu_pd(k + e), a0);
+      a1 = _mm512_fmadd_pd(_mm512_loadu_pd(q + e + 8), _mm512_loadu_pd(k + e + 8), a1);
     }
-    out[0] = _mm512_reduce_add_pd(s0);
-    out[1] = _mm512_reduce_add_pd(s1);
-    out[2] = _mm512_reduce_add_pd(s2);
-    out[3] = _mm512_reduce_add_pd(s3);
+    for (; e < n; e += 8) {
+      const __mmask8 m = OpsF64::mask(int(n - e));
+      a0 = _mm512_fmadd_pd(_mm512_maskz_loadu_pd(m, q + e), _mm512_maskz_loadu_pd(m, k + e), a0);
+    }
+    return _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+  }
+  static void pv_rows(const double* p, index_t ps, index_t R, index_t kb, const double* v, index_t v_rs,
+                      index_t Ev, double* acc) {
+    pv_rows_impl<double, __m512d, 8, OpsF64>(p, ps, R, kb, v, v_rs, Ev, acc);
   }
   static void exp2_sub_cols(double* x, const double* sub, double* sum, int n) {
     for (int i = 0; i < n; i += 8) {

@@ -25,13 +25,21 @@ inline void gemm_ukernel_ref(int mr, index_t k, const T* a, index_t rsa, index_t
 
 template <class T>
 struct GenericKernels {
-  //   out[r] = q . k_r for the 4 rows k_r = k + r*rs
-  static void dot4(const T* q, const T* k, index_t rs, index_t n, T* out) {
-    for (int r = 0; r < 4; ++r) {
-      T s = T(0);
-      for (index_t e = 0; e < n; ++e) s += q[e] * k[r * rs + e];
-      out[r] = s;
-    }
+  //   q . k
+  static T dot1(const T* q, const T* k, index_t n) {
+    T s = T(0);
+    for (index_t e = 0; e < n; ++e) s += q[e] * k[e];
+    return s;
+  }
+  //   acc[x, d] += sum_j p[x*ps + j] * v[j*v_rs + d]
+  static void pv_rows(const T* p, index_t ps, index_t R, index_t kb, const T* v, index_t v_rs, index_t Ev, T* acc) {
+    for (index_t x = 0; x < R; ++x)
+      for (index_t j = 0; j < kb; ++j) {
+        const T pj = p[x * ps + j];
+        const T* vr = v + j * v_rs;
+        T* ax = acc + x * Ev;
+        for (index_t d = 0; d < Ev; ++d) ax[d] += pj * vr[d];
+      }
   }
   //   x[i] = exp2(x[i] - sub[i]); sum[i] += x[i]
   static void exp2_sub_cols(T* x, const T* sub, T* sum, int n) {
