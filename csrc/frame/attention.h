@@ -69,12 +69,11 @@ struct Attention {
 
   // qt[e*NR + q] = Q[q0+q, e] * s2, zero beyond the qc real queries.
   void pack_qt(const T* q, index_t qc, T* qt) const {
-    for (index_t e = 0; e < a.E; ++e)
-      for (index_t c = qc; c < NR; ++c) qt[e * NR + c] = T(0);
-    for (index_t c = 0; c < qc; ++c) {
-      const T* qr = q + c * a.q_rs;
-      for (index_t e = 0; e < a.E; ++e) qt[e * NR + c] = qr[e] * s2;
-    }
+    if (qc < NR)
+      for (index_t e = 0; e < a.E; ++e)
+        for (index_t c = qc; c < NR; ++c) qt[e * NR + c] = T(0);
+    K::transpose(q, a.q_rs, qc, a.E, qt, NR);
+    for (index_t x = 0; x < a.E * NR; ++x) qt[x] *= s2;
   }
 
   // st[j*NR + c] = -inf where key k0+j is hidden from query q0+c; additive masks are added.
@@ -184,13 +183,14 @@ struct Attention {
   void finish_panel(index_t bh, index_t q0, index_t kend, Tile& t) const {
     const index_t qc = min_of<index_t>(NR, a.Lq - q0);
     T* o = O + a.ooff[bh] + q0 * a.o_rs;
-    for (index_t c = 0; c < qc; ++c) {
-      const T inv = t.l[c] > T(0) ? T(1) / t.l[c] : T(0);
-      t.csum[c] = inv;
-      T* orow = o + c * a.o_rs;
-      for (index_t d = 0; d < a.Ev; ++d) orow[d] = t.acc[d * NR + c] * inv;
-      if (Lse) Lse[a.lseoff[bh] + (q0 + c) * a.lse_s] = lse_of(t.m[c], t.l[c]);
+    for (int c = 0; c < NR; ++c) t.csum[c] = t.l[c] > T(0) ? T(1) / t.l[c] : T(0);
+    for (T* ad = t.acc; ad != t.m; ad += NR) {
+#pragma omp simd
+      for (int c = 0; c < NR; ++c) ad[c] *= t.csum[c];
     }
+    K::transpose(t.acc, NR, a.Ev, qc, o, a.o_rs);
+    if (Lse)
+      for (index_t c = 0; c < qc; ++c) Lse[a.lseoff[bh] + (q0 + c) * a.lse_s] = lse_of(t.m[c], t.l[c]);
     if (W) weights_panel(bh, q0, qc, kend, t);
   }
 

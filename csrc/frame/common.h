@@ -47,3 +47,10 @@ inline void pack_a_rows_ref(const T* a, index_t rsa, index_t kc, T* dst) {
     for (index_t p = 0; p < kc; ++p) dst[p * MR + r] = ar[p];
   }
 }
+
+//   dst[c*drs + r] = src[r*srs + c], r < rows, c < cols
+template <class T>
+inline void transpose_ref(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
+  for (index_t r = 0; r < rows; ++r)
+    for (index_t c = 0; c < cols; ++c) dst[c * drs + r] = src[r * srs + c];
+}

@@ -8,6 +8,7 @@ namespace pyattn {
 namespace avx2 {
 
 #include "frame/common.h"
+#include "kernels/x86_transpose.h"
 
 // Lanes [0, n) of a vector of L lanes of width W bytes, as a maskload/maskstore mask.
 static inline __m256i lane_mask32(int n) {
@@ -256,6 +257,9 @@ struct sgemm_6x16_avx2 : ExpAvx2<float, __m256, 8, exp2_ps, ld_ps, st_ps, sub_ps
   static void pv_rows(const T* p, index_t ps, index_t R, index_t kb, const T* v, index_t v_rs, index_t Ev, T* acc) {
     pv_rows_impl<T, __m256, 8, OpsAvx2F32>(p, ps, R, kb, v, v_rs, Ev, acc);
   }
+  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
+    transpose_ps(src, srs, rows, cols, dst, drs);
+  }
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool acc) {
     PYATTN_UKERNEL_SWITCH(sgemm_ukernel_6x16_avx2_m)
@@ -270,6 +274,9 @@ struct dgemm_6x8_avx2 : ExpAvx2<double, __m256d, 4, exp2_pd, ld_pd, st_pd, sub_p
   }
   static void pv_rows(const T* p, index_t ps, index_t R, index_t kb, const T* v, index_t v_rs, index_t Ev, T* acc) {
     pv_rows_impl<T, __m256d, 4, OpsAvx2F64>(p, ps, R, kb, v, v_rs, Ev, acc);
+  }
+  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
+    transpose_ref<T>(src, srs, rows, cols, dst, drs);
   }
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool acc) {

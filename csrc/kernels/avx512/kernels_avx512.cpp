@@ -8,6 +8,7 @@ namespace pyattn {
 namespace avx512 {
 
 #include "frame/common.h"
+#include "kernels/x86_transpose.h"
 
 // ------------------------------------------------------------------ float32: 8 x 48 tile
 // 8 rows of A are broadcast, 3 vectors of 16 B columns are loaded: 24 accumulators, 3 loads
@@ -261,35 +262,10 @@ struct sgemm_8x48_avx512 : ExpF32 {
   using T = float;
   static constexpr int MR = 8, NR = 48, NP = 2;
   static constexpr index_t MC = 240, KC = 256, NC = 480, BK = 128;
-  //   dst[p*8 + r] = a[r*rsa + p]: 8x8 blocks transposed in registers (unpack, shuffle, permute)
-  static void pack_a_rows(const T* a, index_t rsa, index_t kc, T* dst) {
-    index_t p = 0;
-    for (; p + 8 <= kc; p += 8) {
-      __m256 r[8];
-#pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(a + i * rsa + p);
-      __m256 t[8], u[8];
-#pragma GCC unroll 4
-      for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-      }
-#pragma GCC unroll 2
-      for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-      }
-      float* d = dst + p * 8;
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) {
-        _mm256_storeu_ps(d + i * 8, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
-        _mm256_storeu_ps(d + (i + 4) * 8, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
-      }
-    }
-    for (; p < kc; ++p)
-      for (int i = 0; i < 8; ++i) dst[p * 8 + i] = a[i * rsa + p];
+  //   dst[p*8 + r] = a[r*rsa + p]: the 8-row panel transposed in 8 x 8 register blocks
+  static void pack_a_rows(const T* a, index_t rsa, index_t kc, T* dst) { transpose_ps(a, rsa, 8, kc, dst, 8); }
+  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
+    transpose_ps(src, srs, rows, cols, dst, drs);
   }
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool acc) {
@@ -302,6 +278,9 @@ struct dgemm_8x24_avx512 : ExpF64 {
   static constexpr index_t MC = 120, KC = 256, NC = 240, BK = 128;
   static void pack_a_rows(const T* a, index_t rsa, index_t kc, T* dst) {
     pack_a_rows_ref<T, MR>(a, rsa, kc, dst);
+  }
+  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
+    transpose_ref<T>(src, srs, rows, cols, dst, drs);
   }
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool acc) {

@@ -67,6 +67,9 @@ struct sgemm_4x16_generic : GenericKernels<float> {
   static void pack_a_rows(const T* a, index_t rsa, index_t kc, T* dst) {
     pack_a_rows_ref<T, MR>(a, rsa, kc, dst);
   }
+  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
+    transpose_ref<T>(src, srs, rows, cols, dst, drs);
+  }
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool accumulate) {
     gemm_ukernel_ref<T, MR, NR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, accumulate);
@@ -78,6 +81,9 @@ struct dgemm_4x8_generic : GenericKernels<double> {
   static constexpr index_t MC = 128, KC = 256, NC = 256, BK = 128;
   static void pack_a_rows(const T* a, index_t rsa, index_t kc, T* dst) {
     pack_a_rows_ref<T, MR>(a, rsa, kc, dst);
+  }
+  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
+    transpose_ref<T>(src, srs, rows, cols, dst, drs);
   }
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool accumulate) {
