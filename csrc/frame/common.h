@@ -39,6 +39,23 @@ inline int threads_for(double work, int nthreads) {
 constexpr double kLog2e = 1.4426950408889634074;
 constexpr double kLn2 = 0.69314718055994530942;
 
+// Taylor coefficients ln(2)^i / i! of 2^f = e^(f ln 2), i = 0..13: degree 7 suffices for float
+// (|f| <= 1/2 leaves a truncation error below 0.1 ulp), degree 13 for double.
+constexpr double kExp2Taylor[14] = {1.0,
+                                    6.9314718055994530942e-01,
+                                    2.4022650695910071233e-01,
+                                    5.5504108664821579953e-02,
+                                    9.6181291076284771620e-03,
+                                    1.3333558146428443423e-03,
+                                    1.5403530393381609954e-04,
+                                    1.5252733804059840280e-05,
+                                    1.3215486790144309488e-06,
+                                    1.0178086009239699727e-07,
+                                    7.0549116208011233298e-09,
+                                    4.4455382718708114975e-10,
+                                    2.5678435993488202578e-11,
+                                    1.3691488853904124290e-12};
+
 // dst[p*MR + r] = a[r*rsa + p] for a full panel of MR rows with unit column stride.
 template <class T, int MR>
 inline void pack_a_rows_ref(const T* a, index_t rsa, index_t kc, T* dst) {

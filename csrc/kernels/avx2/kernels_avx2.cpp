@@ -106,14 +106,9 @@ static inline __m256 exp2_ps(__m256 x) {
   x = _mm256_min_ps(_mm256_set1_ps(128.0f), x);
   const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(x, n);
-  __m256 p = _mm256_set1_ps(1.5252733804059840e-05f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381609e-04f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-03f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-02f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-01f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-01f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(float(kExp2Taylor[7]));
+#pragma GCC unroll 7
+  for (int i = 6; i >= 0; --i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(float(kExp2Taylor[i])));
   // n = -127 gives a zero exponent field, i.e. 0; n = 128 gives +inf.
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
@@ -124,23 +119,9 @@ static inline __m256d exp2_pd(__m256d x) {
   x = _mm256_min_pd(_mm256_set1_pd(1024.0), x);
   const __m256d n = _mm256_round_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256d f = _mm256_sub_pd(x, n);
-  static constexpr double c[14] = {1.0,
-                                   6.9314718055994530942e-01,
-                                   2.4022650695910071233e-01,
-                                   5.5504108664821579953e-02,
-                                   9.6181291076284771620e-03,
-                                   1.3333558146428443423e-03,
-                                   1.5403530393381609954e-04,
-                                   1.5252733804059840280e-05,
-                                   1.3215486790144309488e-06,
-                                   1.0178086009239699727e-07,
-                                   7.0549116208011233298e-09,
-                                   4.4455382718708114975e-10,
-                                   2.5678435993488202578e-11,
-                                   1.3691488853904124290e-12};
-  __m256d p = _mm256_set1_pd(c[13]);
+  __m256d p = _mm256_set1_pd(kExp2Taylor[13]);
 #pragma GCC unroll 13
-  for (int i = 12; i >= 0; --i) p = _mm256_fmadd_pd(p, f, _mm256_set1_pd(c[i]));
+  for (int i = 12; i >= 0; --i) p = _mm256_fmadd_pd(p, f, _mm256_set1_pd(kExp2Taylor[i]));
   const __m256i ni = _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n));
   const __m256i e = _mm256_slli_epi64(_mm256_add_epi64(ni, _mm256_set1_epi64x(1023)), 52);
   return _mm256_mul_pd(p, _mm256_castsi256_pd(e));

@@ -92,14 +92,9 @@ static inline __m512 exp2_ps(__m512 x) {
   x = _mm512_min_ps(_mm512_set1_ps(128.0f), x);
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5252733804059840e-05f);  // ln2^7/7!
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381609e-04f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(float(kExp2Taylor[7]));
+#pragma GCC unroll 7
+  for (int i = 6; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(float(kExp2Taylor[i])));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -108,23 +103,9 @@ static inline __m512d exp2_pd(__m512d x) {
   x = _mm512_min_pd(_mm512_set1_pd(1025.0), x);
   const __m512d n = _mm512_roundscale_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512d f = _mm512_sub_pd(x, n);
-  static constexpr double c[14] = {1.0,
-                                   6.9314718055994530942e-01,
-                                   2.4022650695910071233e-01,
-                                   5.5504108664821579953e-02,
-                                   9.6181291076284771620e-03,
-                                   1.3333558146428443423e-03,
-                                   1.5403530393381609954e-04,
-                                   1.5252733804059840280e-05,
-                                   1.3215486790144309488e-06,
-                                   1.0178086009239699727e-07,
-                                   7.0549116208011233298e-09,
-                                   4.4455382718708114975e-10,
-                                   2.5678435993488202578e-11,
-                                   1.3691488853904124290e-12};
-  __m512d p = _mm512_set1_pd(c[13]);
+  __m512d p = _mm512_set1_pd(kExp2Taylor[13]);
 #pragma GCC unroll 13
-  for (int i = 12; i >= 0; --i) p = _mm512_fmadd_pd(p, f, _mm512_set1_pd(c[i]));
+  for (int i = 12; i >= 0; --i) p = _mm512_fmadd_pd(p, f, _mm512_set1_pd(kExp2Taylor[i]));
   return _mm512_scalef_pd(p, n);
 }
 
