@@ -1,14 +1,15 @@
 // Flash-style fused attention, written once and instantiated per ISA.
 //
-// Prefill (any Lq): one task = one (batch*head, query tile of NR queries). The tile works in the
-// transposed orientation S^T = K Q^T so that the micro-kernel broadcasts K rows straight from
+// Prefill (any Lq): one task = one (batch*head, NP query panels of NR queries). A panel works in
+// the transposed orientation S^T = K Q^T so that the micro-kernel broadcasts K rows straight from
 // memory and vectorises across queries: K and V are never packed or copied, only the small
 // Q^T tile is (with scale*log2(e) folded in). Per key block of BK keys:
 //   S^T = K_blk Q^T                         (GEMM micro-kernel, A = K rows, B = Q^T)
 //   m' = max(m, colmax(S^T)); a = exp2(m - m'); P^T = exp2(S^T - m'); l = a*l + colsum(P^T)
 //   acc^T = a * acc^T + V_blk^T P^T         (GEMM micro-kernel, A = V^T, B = P^T)
-// so every softmax statistic is a vector over the tile's queries. Scratch per thread is
-// NR * (E + BK + Ev + 8) elements whatever the sequence lengths.
+// so every softmax statistic is a vector over the panel's queries. The NP panels of a task share
+// each K and V row read. Scratch per thread is NP * NR * (E + BK + Ev + 8) elements whatever
+// the sequence lengths.
 //
 // Decode (few queries, long Lk): one task = (group of heads sharing K/V, chunk of keys); all
 // queries of the group are rows that share each K and V row read; chunks are merged exactly

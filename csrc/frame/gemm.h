@@ -2,12 +2,13 @@
 //
 // Loops (C is row-major in practice, so the micro-kernel vectorises along n):
 //   for pc over k in KC blocks:          pack A (m x kc) in MR-row panels and B (kc x n) in
-//                                         NR-column panels, all threads sharing both packs
-//     for each macro tile (MC x NC):     threads take contiguous runs of tiles, column-block
-//                                         major, so a thread's packed-B block stays in its L2
+//                                         NR-column panels: the operand the threads share is
+//                                         packed by all of them, the other by each for itself
+//     for each block (MC x NC) of the thread's rectangle of panels (NC x KC of packed B in L2)
 //       for ir in MR panels (A micro-panel resident in L1 across the jr loop)
 //         for jr in NR panels:           ukernel: C[MR x NR] (+)= A_panel[MR x kc] B_panel[kc x NR]
-// Kernel traits K provide T, MR, NR, MC, KC, NC and ukernel(); see csrc/kernels/<isa>/.
+// Few-row products (m <= 4) take the unpacked gemv path instead.
+// Kernel traits K provide T, MR, NR, MC, KC, NC, ukernel() and pack_a_rows(); see csrc/kernels/<isa>/.
 #pragma once
 
 template <class K>
