@@ -276,7 +276,7 @@ struct Attention {
     const T* vbase = V + a.voff[h0];
     for (index_t k0 = j0; k0 < j1; k0 += DB) {
       const index_t kb = min_of<index_t>(DB, j1 - k0);
-      // s[x, j] = q_x . k_j, key rows read in order (see frame/rowops.h)
+      // s[x, j] = q_x . k_j, key rows read in order (see kernels/x86_simd.h)
       for (index_t j = 0; j < kb; ++j) {
         const T* kr = kbase + (k0 + j) * a.k_rs;
         for (index_t x = 0; x < r.R; ++x) r.s[x * DB + j] = K::dot1(r.q + x * E, kr, E);

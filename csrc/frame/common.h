@@ -56,15 +56,6 @@ constexpr double kExp2Taylor[14] = {1.0,
                                     2.5678435993488202578e-11,
                                     1.3691488853904124290e-12};
 
-// dst[p*MR + r] = a[r*rsa + p] for a full panel of MR rows with unit column stride.
-template <class T, int MR>
-inline void pack_a_rows_ref(const T* a, index_t rsa, index_t kc, T* dst) {
-  for (int r = 0; r < MR; ++r) {
-    const T* ar = a + r * rsa;
-    for (index_t p = 0; p < kc; ++p) dst[p * MR + r] = ar[p];
-  }
-}
-
 //   dst[c*drs + r] = src[r*srs + c], r < rows, c < cols
 template <class T>
 inline void transpose_ref(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {

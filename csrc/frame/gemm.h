@@ -8,7 +8,7 @@
 //       for ir in MR panels (A micro-panel resident in L1 across the jr loop)
 //         for jr in NR panels:           ukernel: C[MR x NR] (+)= A_panel[MR x kc] B_panel[kc x NR]
 // Few-row products (m <= 4) take the unpacked gemv path instead.
-// Kernel traits K provide T, MR, NR, MC, KC, NC, ukernel() and pack_a_rows(); see csrc/kernels/<isa>/.
+// Kernel traits K provide T, MR, NR, MC, KC, NC, ukernel() and transpose(); see csrc/kernels/<isa>/.
 #pragma once
 
 template <class K>
@@ -18,21 +18,15 @@ struct Gemm {
 
   // dst[p*MR + r] = a[r*rsa + p*csa] for r < rows; rows rows..MR-1 are zero.
   static void pack_a(const T* a, index_t rsa, index_t csa, int rows, index_t kc, T* dst) {
-    if (csa == 1 && rows == MR) {
-      K::pack_a_rows(a, rsa, kc, dst);
-      return;
-    }
     if (csa == 1) {
-      for (int r = 0; r < rows; ++r) {
-        const T* ar = a + r * rsa;
-        for (index_t p = 0; p < kc; ++p) dst[p * MR + r] = ar[p];
-      }
+      K::transpose(a, rsa, rows, kc, dst, MR);
     } else {
       for (index_t p = 0; p < kc; ++p)
         for (int r = 0; r < rows; ++r) dst[p * MR + r] = a[r * rsa + p * csa];
     }
-    for (index_t p = 0; p < kc; ++p)
-      for (int r = rows; r < MR; ++r) dst[p * MR + r] = T(0);
+    if (rows < MR)
+      for (index_t p = 0; p < kc; ++p)
+        for (int r = rows; r < MR; ++r) dst[p * MR + r] = T(0);
   }
 
   // dst[p*NR + j] = b[p*rsb + j*csb] for j < cols; columns cols..NR-1 are zero.

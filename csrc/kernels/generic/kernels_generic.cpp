@@ -60,13 +60,10 @@ struct GenericKernels {
 };
 
 // Block sizes: register tile MR x NR, cache blocks MC x KC x NC, attention key block BK.
-struct sgemm_4x16_generic : GenericKernels<float> {
+struct sgemm_ukernel_4x16_generic : GenericKernels<float> {
   using T = float;
   static constexpr int MR = 4, NR = 16, NP = 2;
   static constexpr index_t MC = 128, KC = 256, NC = 512, BK = 128;
-  static void pack_a_rows(const T* a, index_t rsa, index_t kc, T* dst) {
-    pack_a_rows_ref<T, MR>(a, rsa, kc, dst);
-  }
   static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
     transpose_ref<T>(src, srs, rows, cols, dst, drs);
   }
@@ -75,13 +72,10 @@ struct sgemm_4x16_generic : GenericKernels<float> {
     gemm_ukernel_ref<T, MR, NR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, accumulate);
   }
 };
-struct dgemm_4x8_generic : GenericKernels<double> {
+struct dgemm_ukernel_4x8_generic : GenericKernels<double> {
   using T = double;
   static constexpr int MR = 4, NR = 8, NP = 2;
   static constexpr index_t MC = 128, KC = 256, NC = 256, BK = 128;
-  static void pack_a_rows(const T* a, index_t rsa, index_t kc, T* dst) {
-    pack_a_rows_ref<T, MR>(a, rsa, kc, dst);
-  }
   static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
     transpose_ref<T>(src, srs, rows, cols, dst, drs);
   }
@@ -95,6 +89,6 @@ struct dgemm_4x8_generic : GenericKernels<double> {
 
 }  // namespace generic
 
-const IsaTable isa_generic = generic::make_table<generic::sgemm_4x16_generic, generic::dgemm_4x8_generic>("generic");
+const IsaTable isa_generic = generic::make_table<generic::sgemm_ukernel_4x16_generic, generic::dgemm_ukernel_4x8_generic>("generic");
 
 }  // namespace pyattn

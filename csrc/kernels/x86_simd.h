@@ -1,0 +1,189 @@
+// The x86 kernels written once over a per-ISA vector type `Ops` and instantiated by the AVX2
+// and AVX-512 translation units (inside each one's namespace, compiled with its own flags).
+//
+// Ops provides: T, V (vector), Mask, L (lanes); mask(n) for lanes [0, n); load, maskload,
+// store, maskstore, set1, zero, add, sub, fma, maskz (zero the lanes outside a mask),
+// reduce_add and exp2. Every intrinsic lives in the Ops structs of kernels_<isa>.cpp; nothing
+// here names one, so a float and a double kernel, or an AVX2 and an AVX-512 one, are the same
+// schedule on different vectors.
+#pragma once
+
+// ------------------------------------------------------------------ GEMM register tile
+// C[M x NV*L] (+)= A[M x k] B[k x NV*L]: M rows of A are broadcast (A read through rsa, csa),
+// NV vectors of B are loaded per k step (rows ldb apart), M*NV accumulators stay in registers;
+// only the first nr columns of C are loaded and stored.
+template <class Ops, int NV, int M>
+static inline void gemm_regtile(index_t k, const typename Ops::T* a, index_t rsa, index_t csa,
+                                const typename Ops::T* b, index_t ldb, typename Ops::T* c, index_t ldc, int nr,
+                                bool accumulate) {
+  using T = typename Ops::T;
+  using V = typename Ops::V;
+  constexpr int L = Ops::L;
+  V acc[M][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < M; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = Ops::zero();
+  for (index_t p = 0; p < k; ++p) {
+    V bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = Ops::load(b + v * L);
+#pragma GCC unroll 8
+    for (int r = 0; r < M; ++r) {
+      const V ar = Ops::set1(a[r * rsa]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = Ops::fma(ar, bv[v], acc[r][v]);
+    }
+    a += csa;
+    b += ldb;
+  }
+  if (nr == NV * L) {
+#pragma GCC unroll 8
+    for (int r = 0; r < M; ++r) {
+      T* cr = c + r * ldc;
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v)
+        Ops::store(cr + v * L, accumulate ? Ops::add(acc[r][v], Ops::load(cr + v * L)) : acc[r][v]);
+    }
+    return;
+  }
+  typename Ops::Mask m[NV];
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) m[v] = Ops::mask(nr - v * L);
+#pragma GCC unroll 8
+  for (int r = 0; r < M; ++r) {
+    T* cr = c + r * ldc;
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+      Ops::maskstore(m[v], cr + v * L,
+                     accumulate ? Ops::add(acc[r][v], Ops::maskload(m[v], cr + v * L)) : acc[r][v]);
+  }
+}
+
+// The register tile for mr <= MR live rows, each row count its own instance.
+template <class Ops, int NV, int MR>
+static inline void gemm_ukernel(int mr, index_t k, const typename Ops::T* a, index_t rsa, index_t csa,
+                                const typename Ops::T* b, index_t ldb, typename Ops::T* c, index_t ldc, int nr,
+                                bool accumulate) {
+  static_assert(MR >= 1 && MR <= 8, "register tiles have 1 to 8 rows");
+#define PYATTN_ROWS(M) \
+  case M:              \
+    if constexpr (MR >= M) return gemm_regtile<Ops, NV, M>(k, a, rsa, csa, b, ldb, c, ldc, nr, accumulate); \
+    break;
+  switch (mr) {
+    PYATTN_ROWS(8)
+    PYATTN_ROWS(7)
+    PYATTN_ROWS(6)
+    PYATTN_ROWS(5)
+    PYATTN_ROWS(4)
+    PYATTN_ROWS(3)
+    PYATTN_ROWS(2)
+    default: break;
+  }
+#undef PYATTN_ROWS
+  gemm_regtile<Ops, NV, 1>(k, a, rsa, csa, b, ldb, c, ldc, nr, accumulate);
+}
+
+// ------------------------------------------------------------------ row kernels
+template <class Ops>
+struct VecKernels {
+  using T = typename Ops::T;
+  using V = typename Ops::V;
+  static constexpr int L = Ops::L;
+
+  //   x[i] = exp2(x[i] - sub[i]); sum[i] += x[i]
+  static void exp2_sub_cols(T* x, const T* sub, T* sum, int n) {
+    int i = 0;
+    for (; i + L <= n; i += L) {
+      const V e = Ops::exp2(Ops::sub(Ops::load(x + i), Ops::load(sub + i)));
+      Ops::store(x + i, e);
+      Ops::store(sum + i, Ops::add(Ops::load(sum + i), e));
+    }
+    if (i < n) {
+      const typename Ops::Mask m = Ops::mask(n - i);
+      const V e = Ops::exp2(Ops::sub(Ops::maskload(m, x + i), Ops::maskload(m, sub + i)));
+      Ops::maskstore(m, x + i, e);
+      Ops::maskstore(m, sum + i, Ops::add(Ops::maskload(m, sum + i), e));
+    }
+  }
+
+  //   x[i] = exp2(x[i] - sub); return sum(x)
+  static T exp2_sub_sum(T* x, index_t n, T sub) {
+    const V s = Ops::set1(sub);
+    V acc = Ops::zero();
+    index_t i = 0;
+    for (; i + L <= n; i += L) {
+      const V e = Ops::exp2(Ops::sub(Ops::load(x + i), s));
+      Ops::store(x + i, e);
+      acc = Ops::add(acc, e);
+    }
+    if (i < n) {
+      const typename Ops::Mask m = Ops::mask(int(n - i));
+      const V e = Ops::maskz(m, Ops::exp2(Ops::sub(Ops::maskload(m, x + i), s)));
+      Ops::maskstore(m, x + i, e);
+      acc = Ops::add(acc, e);
+    }
+    return Ops::reduce_add(acc);
+  }
+
+  // Decode helpers. Both read every K and V row front to back, one row after the other: that
+  // order streams at memory speed, where reading several rows side by side (column-wise within
+  // a block) confuses the prefetchers and runs at a third of it.
+
+  //   q . k, the row read in order
+  static T dot1(const T* q, const T* k, index_t n) {
+    V a0 = Ops::zero(), a1 = a0;
+    index_t e = 0;
+    for (; e + 2 * L <= n; e += 2 * L) {
+      a0 = Ops::fma(Ops::load(q + e), Ops::load(k + e), a0);
+      a1 = Ops::fma(Ops::load(q + e + L), Ops::load(k + e + L), a1);
+    }
+    for (; e < n; e += L) {
+      const typename Ops::Mask m = Ops::mask(int(n - e));
+      a0 = Ops::fma(Ops::maskload(m, q + e), Ops::maskload(m, k + e), a0);
+    }
+    return Ops::reduce_add(Ops::add(a0, a1));
+  }
+
+  //   acc[x, d] += sum_j p[x*ps + j] * v[j*v_rs + d], for an NV-vector column chunk of width w
+  //   kept in registers across all kb rows.
+  template <int NV>
+  static void pv_chunk(const T* p, index_t ps, index_t R, index_t kb, const T* v, index_t v_rs, int w, T* acc,
+                       index_t ldacc) {
+    const typename Ops::Mask last = Ops::mask(w - (NV - 1) * L);
+    auto ld = [&](int i, const T* ptr) { return i < NV - 1 ? Ops::load(ptr) : Ops::maskload(last, ptr); };
+    for (index_t x = 0; x < R; ++x) {
+      T* ax = acc + x * ldacc;
+      V a[NV];
+#pragma GCC unroll 8
+      for (int i = 0; i < NV; ++i) a[i] = ld(i, ax + i * L);
+      const T* px = p + x * ps;
+      for (index_t j = 0; j < kb; ++j) {
+        const V pj = Ops::set1(px[j]);
+        const T* vr = v + j * v_rs;
+#pragma GCC unroll 8
+        for (int i = 0; i < NV; ++i) a[i] = Ops::fma(pj, ld(i, vr + i * L), a[i]);
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < NV - 1; ++i) Ops::store(ax + i * L, a[i]);
+      Ops::maskstore(last, ax + (NV - 1) * L, a[NV - 1]);
+    }
+  }
+
+  //   acc[x, :] += sum_j p[x*ps + j] * v[j*v_rs, :], in column chunks of up to 8 vectors
+  static void pv_rows(const T* p, index_t ps, index_t R, index_t kb, const T* v, index_t v_rs, index_t Ev, T* acc) {
+    for (index_t d0 = 0; d0 < Ev; d0 += 8 * L) {
+      const int w = int(Ev - d0 < 8 * L ? Ev - d0 : 8 * L);
+      switch ((w + L - 1) / L) {
+        case 8: pv_chunk<8>(p, ps, R, kb, v + d0, v_rs, w, acc + d0, Ev); break;
+        case 7: pv_chunk<7>(p, ps, R, kb, v + d0, v_rs, w, acc + d0, Ev); break;
+        case 6: pv_chunk<6>(p, ps, R, kb, v + d0, v_rs, w, acc + d0, Ev); break;
+        case 5: pv_chunk<5>(p, ps, R, kb, v + d0, v_rs, w, acc + d0, Ev); break;
+        case 4: pv_chunk<4>(p, ps, R, kb, v + d0, v_rs, w, acc + d0, Ev); break;
+        case 3: pv_chunk<3>(p, ps, R, kb, v + d0, v_rs, w, acc + d0, Ev); break;
+        case 2: pv_chunk<2>(p, ps, R, kb, v + d0, v_rs, w, acc + d0, Ev); break;
+        default: pv_chunk<1>(p, ps, R, kb, v + d0, v_rs, w, acc + d0, Ev); break;
+      }
+    }
+  }
+};
