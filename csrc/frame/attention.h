@@ -77,27 +77,18 @@ struct Attention {
     for (index_t x = 0; x < a.E * NR; ++x) qt[x] *= s2;
   }
 
-  // st[j*NR + c] = -inf where key k0+j is hidden from query q0+c; additive masks are added.
-  void mask_block(index_t bh, index_t q0, index_t qc, index_t k0, index_t kb, T* st) const {
-    if (a.causal != Causal::none && k0 + kb - 1 > q0 + coff) {
-      for (index_t c = 0; c < qc; ++c) {
-        const index_t first_hidden = max_of<index_t>(0, q0 + c + coff + 1 - k0);
-        for (index_t j = first_hidden; j < kb; ++j) st[j * NR + c] = -kInf;
-      }
-    }
+  // s[j*stride] = -inf where key k0+j (j < kb) is hidden from query qi of problem bh (causal
+  // or bool mask); an additive mask is added. Shared by the prefill tiles and the decode rows.
+  void mask_row(index_t bh, index_t qi, index_t k0, index_t kb, T* s, index_t stride) const {
+    if (a.causal != Causal::none)
+      for (index_t j = max_of<index_t>(0, qi + coff + 1 - k0); j < kb; ++j) s[j * stride] = -kInf;
     if (a.mask_kind == MaskKind::boolean) {
-      const unsigned char* mk = static_cast<const unsigned char*>(a.mask) + a.moff[bh] + k0 * a.m_cs;
-      for (index_t c = 0; c < qc; ++c) {
-        const unsigned char* mr = mk + (q0 + c) * a.m_rs;
-        for (index_t j = 0; j < kb; ++j)
-          if (!mr[j * a.m_cs]) st[j * NR + c] = -kInf;
-      }
+      const unsigned char* mr = static_cast<const unsigned char*>(a.mask) + a.moff[bh] + qi * a.m_rs + k0 * a.m_cs;
+      for (index_t j = 0; j < kb; ++j)
+        if (!mr[j * a.m_cs]) s[j * stride] = -kInf;
     } else if (a.mask_kind == MaskKind::additive) {
-      const T* mk = static_cast<const T*>(a.mask) + a.moff[bh] + k0 * a.m_cs;
-      for (index_t c = 0; c < qc; ++c) {
-        const T* mr = mk + (q0 + c) * a.m_rs;
-        for (index_t j = 0; j < kb; ++j) st[j * NR + c] += mr[j * a.m_cs] * T(kLog2e);
-      }
+      const T* mr = static_cast<const T*>(a.mask) + a.moff[bh] + qi * a.m_rs + k0 * a.m_cs;
+      for (index_t j = 0; j < kb; ++j) s[j * stride] += mr[j * a.m_cs] * T(kLog2e);
     }
   }
 
@@ -110,9 +101,11 @@ struct Attention {
       for (int p = 0; p < np; ++p)
         K::ukernel(mr, a.E, kblk + j * a.k_rs, a.k_rs, 1, t[p].qt, NR, t[p].st + j * NR, NR, NR, false);
     }
+    // Blocks wholly below every panel's diagonal and without a mask need no masking at all.
+    if (a.mask_kind == MaskKind::none && (a.causal == Causal::none || k0 + kb - 1 <= q0 + coff)) return;
     for (int p = 0; p < np; ++p) {
-      const index_t qp = q0 + p * NR;
-      mask_block(bh, qp, min_of<index_t>(NR, a.Lq - qp), k0, kb, t[p].st);
+      const index_t qp = q0 + p * NR, qc = min_of<index_t>(NR, a.Lq - qp);
+      for (index_t c = 0; c < qc; ++c) mask_row(bh, qp + c, k0, kb, t[p].st + c, NR);
     }
   }
 
@@ -284,19 +277,7 @@ struct Attention {
       for (index_t x = 0; x < r.R; ++x) {
         const index_t h = h0 + x / Lq, qi = x % Lq;
         T* s = r.s + x * DB;
-        if (a.causal != Causal::none) {
-          const index_t first_hidden = max_of<index_t>(0, qi + coff + 1 - k0);
-          for (index_t j = first_hidden; j < kb; ++j) s[j] = -kInf;
-        }
-        if (a.mask_kind == MaskKind::boolean) {
-          const unsigned char* mr =
-              static_cast<const unsigned char*>(a.mask) + a.moff[h] + qi * a.m_rs + k0 * a.m_cs;
-          for (index_t j = 0; j < kb; ++j)
-            if (!mr[j * a.m_cs]) s[j] = -kInf;
-        } else if (a.mask_kind == MaskKind::additive) {
-          const T* mr = static_cast<const T*>(a.mask) + a.moff[h] + qi * a.m_rs + k0 * a.m_cs;
-          for (index_t j = 0; j < kb; ++j) s[j] += mr[j * a.m_cs] * T(kLog2e);
-        }
+        mask_row(h, qi, k0, kb, s, 1);
         T mx = r.m[x];
         for (index_t j = 0; j < kb; ++j) mx = s[j] > mx ? s[j] : mx;
         const T sub = mx == -kInf ? T(0) : mx;
