@@ -32,16 +32,21 @@ def make_weights(rng, e_q, h, d, e_k=None, e_v=None, hkv=None, e_out=None, bias=
     return w
 
 
-def mha_check(q, k, v, h, w, dtype, **kw):
-    args = (q, k, v, h, w["w_q"], w["w_k"], w["w_v"], w["w_o"],
-            w.get("b_q"), w.get("b_k"), w.get("b_v"), w.get("b_o"))
-    got, gw = pyattn.multi_head_attention(*args, **kw)
+def assert_matches_reference(got, gw, args, dtype, **kw):
+    """pyattn's (output, weights) against reference.multi_head_attention(*args, **kw)."""
     want, ww = reference.multi_head_attention(*args, **kw)
     assert_close(got, want, dtype, what="output")
     if kw.get("need_weights"):
         assert_close(gw, ww, dtype, what="weights")
     else:
         assert gw is None
+
+
+def mha_check(q, k, v, h, w, dtype, **kw):
+    args = (q, k, v, h, w["w_q"], w["w_k"], w["w_v"], w["w_o"],
+            w.get("b_q"), w.get("b_k"), w.get("b_v"), w.get("b_o"))
+    got, gw = pyattn.multi_head_attention(*args, **kw)
+    assert_matches_reference(got, gw, args, dtype, **kw)
     return got, gw
 
 
@@ -235,14 +240,9 @@ def module_check(m, sd, embed_dim, dtype, q, k=None, v=None, num_heads=None, num
     got, gw = m(q, k, v, **kw)
     kk = q if k is None else k
     vv = q if v is None else v
-    want, ww = reference.multi_head_attention(
-        q, kk, vv, num_heads, w["w_q"], w["w_k"], w["w_v"], w["w_o"], w["b_q"], w["b_k"],
-        w["b_v"], w["b_o"], num_kv_heads=num_kv_heads, **kw)
-    assert_close(got, want, dtype, what="output")
-    if kw.get("need_weights"):
-        assert_close(gw, ww, dtype, what="weights")
-    else:
-        assert gw is None
+    args = (q, kk, vv, num_heads, w["w_q"], w["w_k"], w["w_v"], w["w_o"], w["b_q"], w["b_k"],
+            w["b_v"], w["b_o"])
+    assert_matches_reference(got, gw, args, dtype, num_kv_heads=num_kv_heads, **kw)
     return got, gw
 
 

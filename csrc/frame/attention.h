@@ -82,14 +82,8 @@ struct Attention {
   void mask_row(index_t bh, index_t qi, index_t k0, index_t kb, T* s, index_t stride) const {
     if (a.causal != Causal::none)
       for (index_t j = max_of<index_t>(0, qi + coff + 1 - k0); j < kb; ++j) s[j * stride] = -kInf;
-    if (a.mask_kind == MaskKind::boolean) {
-      const unsigned char* mr = static_cast<const unsigned char*>(a.mask) + a.moff[bh] + qi * a.m_rs + k0 * a.m_cs;
-      for (index_t j = 0; j < kb; ++j)
-        if (!mr[j * a.m_cs]) s[j * stride] = -kInf;
-    } else if (a.mask_kind == MaskKind::additive) {
-      const T* mr = static_cast<const T*>(a.mask) + a.moff[bh] + qi * a.m_rs + k0 * a.m_cs;
-      for (index_t j = 0; j < kb; ++j) s[j * stride] += mr[j * a.m_cs] * T(kLog2e);
-    }
+    apply_mask_row(a.mask_kind, a.mask, a.mask_kind == MaskKind::none ? 0 : a.moff[bh] + qi * a.m_rs + k0 * a.m_cs,
+                   a.m_cs, kb, s, stride);
   }
 
   // S^T blocks of np query panels = K[k0:k0+kb] Q^T, eight keys at a time across all panels so
@@ -212,11 +206,11 @@ struct Attention {
     constexpr int NP = K::NP;
     const index_t ngroups = ceil_div(a.Lq, index_t(NP) * NR);
     const index_t ntasks = a.bh * ngroups;
-    const std::size_t bytes = NP * tile_scratch(a.E, a.Ev);
+    const std::size_t panel = tile_scratch(a.E, a.Ev), bytes = NP * panel;
     const double work = double(a.bh) * double(a.Lq) * double(a.Lk) * double(a.E + a.Ev);
     const int nt = int(min_of<index_t>(threads_for(work, a.nthreads), ntasks));
     auto carve_all = [&](T* base, Tile* t) {
-      for (int p = 0; p < NP; ++p) t[p] = carve(base + p * (bytes / NP / sizeof(T)));
+      for (int p = 0; p < NP; ++p) t[p] = carve(base + p * (panel / sizeof(T)));
     };
     // Causal groups near the end of the sequence do the most work: hand them out first.
     auto task = [&](index_t i, Tile* t) {

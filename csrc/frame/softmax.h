@@ -13,14 +13,7 @@ struct Softmax {
     const T sc = T(s.scale * kLog2e);
     const index_t n = s.n, xcs = s.xcs;
     for (index_t j = 0; j < n; ++j) y[j] = x[j * xcs] * sc;
-    if (s.mask_kind == MaskKind::boolean) {
-      const unsigned char* mk = static_cast<const unsigned char*>(s.mask) + s.moff[r];
-      for (index_t j = 0; j < n; ++j)
-        if (!mk[j * s.mcs]) y[j] = -NumLimits<T>::inf;
-    } else if (s.mask_kind == MaskKind::additive) {
-      const T* mk = static_cast<const T*>(s.mask) + s.moff[r];
-      for (index_t j = 0; j < n; ++j) y[j] += mk[j * s.mcs] * T(kLog2e);
-    }
+    apply_mask_row(s.mask_kind, s.mask, s.mask_kind == MaskKind::none ? 0 : s.moff[r], s.mcs, n, y, 1);
     T mx = -NumLimits<T>::inf;
 #pragma omp simd reduction(max : mx)
     for (index_t j = 0; j < n; ++j) mx = y[j] > mx ? y[j] : mx;
