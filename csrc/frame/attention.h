@@ -90,8 +90,10 @@ struct Attention {
   // those K rows are read from memory once and from L1 for the other panels; then masked.
   void scores(index_t bh, index_t q0, index_t k0, index_t kb, Tile* t, int np) const {
     const T* kblk = Kp + a.koff[bh] + k0 * a.k_rs;
+    const T* vblk = V + a.voff[bh] + k0 * a.v_rs;
     for (index_t j = 0; j < kb; j += MR) {
       const int mr = int(min_of<index_t>(MR, kb - j));
+      prefetch_rows_l2(vblk + j * a.v_rs, a.v_rs, mr, a.Ev);  // this block's V, used next
       for (int p = 0; p < np; ++p)
         K::ukernel(mr, a.E, kblk + j * a.k_rs, a.k_rs, 1, t[p].qt, NR, t[p].st + j * NR, NR, NR, false);
     }
@@ -136,10 +138,14 @@ struct Attention {
   }
 
   // acc^T += V_blk^T P^T for every panel, eight value columns at a time across the panels.
-  void accumulate(index_t bh, index_t k0, index_t kb, Tile* t, int np) const {
+  void accumulate(index_t bh, index_t k0, index_t kb, Tile* t, int np, index_t kend) const {
     const T* vblk = V + a.voff[bh] + k0 * a.v_rs;
-    for (index_t d = 0; d < a.Ev; d += MR) {
+    // The next block's K rows, spread over the value-column steps.
+    const index_t nnext = min_of<index_t>(BK, kend - k0 - kb), per = ceil_div(nnext, max_of<index_t>(1, ceil_div(a.Ev, MR)));
+    const T* knext = Kp + a.koff[bh] + (k0 + kb) * a.k_rs;
+    for (index_t d = 0, r = 0; d < a.Ev; d += MR, r += per) {
       const int mr = int(min_of<index_t>(MR, a.Ev - d));
+      if (r < nnext) prefetch_rows_l2(knext + r * a.k_rs, a.k_rs, min_of<index_t>(per, nnext - r), a.E);
       for (int p = 0; p < np; ++p)
         K::ukernel(mr, kb, vblk + d, 1, a.v_rs, t[p].st, NR, t[p].acc + d * NR, NR, NR, true);
     }
@@ -162,7 +168,7 @@ struct Attention {
       const index_t kb = min_of<index_t>(BK, kend - k0);
       scores(bh, q0, k0, kb, t, np);
       for (int p = 0; p < np; ++p) online_softmax(kb, t[p]);
-      accumulate(bh, k0, kb, t, np);
+      accumulate(bh, k0, kb, t, np, kend);
     }
     for (int p = 0; p < np; ++p) finish_panel(bh, q0 + p * NR, kend, t[p]);
   }

@@ -57,6 +57,16 @@ constexpr double kExp2Taylor[14] = {1.0,
                                     1.3691488853904124290e-12};
 
 //   dst[c*drs + r] = src[r*srs + c], r < rows, c < cols
+// Asks for rows [0, rows) of cols elements, rs apart, to be brought into L2 ahead of use: K and V
+// rows are read by the attention kernels in place (never packed), and their first touch would
+// otherwise stall on strided misses that the hardware prefetchers do not follow.
+template <class T>
+inline void prefetch_rows_l2(const T* p, index_t rs, index_t rows, index_t cols) {
+  constexpr index_t line = 64 / sizeof(T);
+  for (index_t r = 0; r < rows; ++r)
+    for (index_t c = 0; c < cols; c += line) __builtin_prefetch(p + r * rs + c, 0, 2);
+}
+
 template <class T>
 inline void transpose_ref(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
   for (index_t r = 0; r < rows; ++r)
