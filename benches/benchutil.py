@@ -49,6 +49,9 @@ def assert_close(got, expected, rel: float, what: str) -> None:
         f"{what}: max abs error {err:.3g} > {rel:g} * max|ref| ({scale:.3g})")
 
 
+SETTLE_S = 0.3
+
+
 def run_timed(benchmark, fn, *, slow_s: float = 1.0, slow_rounds: int = 3):
     """Time ``fn`` with pytest-benchmark and return its result.
 
@@ -58,6 +61,10 @@ def run_timed(benchmark, fn, *, slow_s: float = 1.0, slow_rounds: int = 3):
     """
     if not benchmark.enabled:
         return benchmark(fn)
+    # Let the previous item's thread pools go idle first: ONNX Runtime's and OpenMP's workers
+    # spin for a while after a call, and a core they hold slowed the next item by up to 30%
+    # (pyattn timed right after ONNX Runtime at B1 H12 L512: 0.69x of its own speed).
+    time.sleep(SETTLE_S)
     t0 = time.perf_counter()
     fn()  # warm-up, and a measure of how long one call takes
     if time.perf_counter() - t0 > slow_s:
