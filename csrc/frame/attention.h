@@ -5,11 +5,16 @@
 // memory and vectorises across queries: K and V are never packed or copied, only the small
 // Q^T tile is (with scale*log2(e) folded in). Per key block of BK keys:
 //   S^T = K_blk Q^T                         (GEMM micro-kernel, A = K rows, B = Q^T)
-//   m' = max(m, colmax(S^T)); a = exp2(m - m'); P^T = exp2(S^T - m'); l = a*l + colsum(P^T)
+//   m' = m, or colmax(S^T) where that exceeds m by over kSlack; a = exp2(m - m');
+//   P^T = exp2(S^T - m'); l = a*l + colsum(P^T)
 //   acc^T = a * acc^T + V_blk^T P^T         (GEMM micro-kernel, A = V^T, B = P^T)
-// so every softmax statistic is a vector over the panel's queries. The NP panels of a task share
-// each K and V row read. Scratch per thread is NP * NR * (E + BK + Ev + 8) elements whatever
-// the sequence lengths.
+// so every softmax statistic is a vector over the panel's queries. The reference m is a lazy
+// running max: P <= 2^kSlack cannot overflow, the accumulator is rescaled only when a score
+// jumps well past m, and once every query of a panel has a reference, an unmasked block needs
+// no max pass at all: its exp2 is fused into the score kernel's store (a block that turns out
+// to exceed the slack is recomputed the two-pass way). The NP panels of a task share each K and
+// V row read. Scratch per thread is NP * NR * (E + BK + Ev + 8) elements whatever the sequence
+// lengths.
 //
 // Decode (few queries, long Lk): one task = (group of heads sharing K/V, chunk of keys); all
 // queries of the group are rows that share each K and V row read; chunks are merged exactly
@@ -21,6 +26,9 @@ struct Attention {
   using T = typename K::T;
   static constexpr int MR = K::MR, NR = K::NR, BK = K::BK;
   static constexpr T kInf = NumLimits<T>::inf;
+  // How far (log2 units) a score may exceed its query's reference before the reference moves:
+  // P <= 256 keeps l and acc far from overflow, as in FlashAttention-4's conditional rescaling.
+  static constexpr T kSlack = T(8);
 
   const AttnArgs& a;
   const T *Q, *Kp, *V;
@@ -47,8 +55,11 @@ struct Attention {
 
   // ---------------------------------------------------------------- prefill (query tiles)
 
+  // m: per-query reference (-inf until a key was visible); sub: m, or 0 where m = -inf, the
+  // exponent offset; ready: every m is finite, so unmasked blocks may take the fused path.
   struct Tile {
-    T *qt, *st, *acc, *m, *l, *sub, *alpha, *csum;
+    T *qt, *st, *acc, *m, *l, *sub, *alpha, *csum, *xmax;
+    bool ready;
   };
 
   static std::size_t tile_scratch(index_t E, index_t Ev) {
@@ -65,6 +76,8 @@ struct Attention {
     t.sub = t.l + NR;
     t.alpha = t.sub + NR;
     t.csum = t.alpha + NR;
+    t.xmax = t.csum + NR;
+    t.ready = false;
     return t;
   }
 
@@ -86,55 +99,92 @@ struct Attention {
                    a.m_cs, kb, s, stride);
   }
 
+  // Whether keys [k0, k0+kb) are all visible to queries from q0 on: no mask, and the block wholly
+  // below the diagonal.
+  bool unmasked(index_t q0, index_t k0, index_t kb) const {
+    return a.mask_kind == MaskKind::none && (a.causal == Causal::none || k0 + kb - 1 <= q0 + coff);
+  }
+
   // S^T blocks of np query panels = K[k0:k0+kb] Q^T, eight keys at a time across all panels so
   // those K rows are read from memory once and from L1 for the other panels; then masked.
-  void scores(index_t bh, index_t q0, index_t k0, index_t kb, Tile* t, int np) const {
+  // Panels with fused[p] get P^T = exp2(S^T - sub) straight from the kernel, with colmax(S^T -
+  // sub) in xmax and colsum(P^T) in csum (only for unmasked blocks).
+  void scores(index_t bh, index_t q0, index_t k0, index_t kb, Tile* t, int np, const bool* fused) const {
     const T* kblk = Kp + a.koff[bh] + k0 * a.k_rs;
     const T* vblk = V + a.voff[bh] + k0 * a.v_rs;
+    for (int p = 0; p < np; ++p)
+      if (fused && fused[p])
+        for (int c = 0; c < NR; ++c) {
+          t[p].xmax[c] = -kInf;
+          t[p].csum[c] = T(0);
+        }
     for (index_t j = 0; j < kb; j += MR) {
       const int mr = int(min_of<index_t>(MR, kb - j));
       prefetch_rows_l2(vblk + j * a.v_rs, a.v_rs, mr, a.Ev);  // this block's V, used next
-      for (int p = 0; p < np; ++p)
-        K::ukernel(mr, a.E, kblk + j * a.k_rs, a.k_rs, 1, t[p].qt, NR, t[p].st + j * NR, NR, NR, false);
+      for (int p = 0; p < np; ++p) {
+        if (fused && fused[p])
+          K::ukernel_exp2(mr, a.E, kblk + j * a.k_rs, a.k_rs, 1, t[p].qt, NR, t[p].st + j * NR, NR, t[p].sub,
+                          t[p].xmax, t[p].csum);
+        else
+          K::ukernel(mr, a.E, kblk + j * a.k_rs, a.k_rs, 1, t[p].qt, NR, t[p].st + j * NR, NR, NR, false);
+      }
     }
-    // Blocks wholly below every panel's diagonal and without a mask need no masking at all.
-    if (a.mask_kind == MaskKind::none && (a.causal == Causal::none || k0 + kb - 1 <= q0 + coff)) return;
+    if (unmasked(q0, k0, kb)) return;
     for (int p = 0; p < np; ++p) {
       const index_t qp = q0 + p * NR, qc = min_of<index_t>(NR, a.Lq - qp);
       for (index_t c = 0; c < qc; ++c) mask_row(bh, qp + c, k0, kb, t[p].st + c, NR);
     }
   }
 
-  //   m' = max(m, colmax(st)); sub = m' or 0 if m' = -inf; alpha = exp2(m - sub);
-  //   st = exp2(st - sub); l = alpha*l + colsum(st)
+  // Two-pass block update, for masked blocks and panels whose references are not all set:
+  //   m' = colmax(st) where it exceeds m + kSlack, else m; alpha = exp2(m - m') (1 where m was
+  //   -inf: l and acc are still 0); sub = m' or 0 if m' = -inf;
+  //   st = exp2(st - sub); l = alpha*l + colsum(st); acc^T *= alpha where m moved
   static void online_softmax(index_t kb, Tile& t) {
-    T* mx = t.csum;  // reused: holds the column max until the column sums start
-    for (int c = 0; c < NR; ++c) mx[c] = t.m[c];
+    T* cm = t.csum;  // reused: holds the column max until the column sums start
+    for (int c = 0; c < NR; ++c) cm[c] = -kInf;
     for (index_t j = 0; j < kb; ++j) {
       const T* s = t.st + j * NR;
 #pragma omp simd
-      for (int c = 0; c < NR; ++c) mx[c] = s[c] > mx[c] ? s[c] : mx[c];
+      for (int c = 0; c < NR; ++c) cm[c] = s[c] > cm[c] ? s[c] : cm[c];
     }
+    bool moved = false, ready = true;
     for (int c = 0; c < NR; ++c) {
-      t.sub[c] = mx[c] == -kInf ? T(0) : mx[c];
-      t.alpha[c] = t.m[c];
-      t.m[c] = mx[c];
-      mx[c] = T(0);
+      T al = T(1);
+      if (cm[c] > t.m[c] + kSlack) {
+        if (t.m[c] != -kInf) al = T(std::exp2(t.m[c] - cm[c]));
+        t.m[c] = cm[c];
+      }
+      t.alpha[c] = al;
+      moved |= al != T(1);
+      ready &= t.m[c] != -kInf;
+      t.sub[c] = t.m[c] == -kInf ? T(0) : t.m[c];
+      cm[c] = T(0);
     }
-    K::exp2_sub_cols(t.alpha, t.sub, t.csum, NR);  // alpha = exp2(m_old - sub); csum is scratch here
-    for (int c = 0; c < NR; ++c) t.csum[c] = T(0);
+    t.ready = ready;
     for (index_t j = 0; j < kb; ++j) K::exp2_sub_cols(t.st + j * NR, t.sub, t.csum, NR);
 #pragma omp simd
     for (int c = 0; c < NR; ++c) t.l[c] = t.alpha[c] * t.l[c] + t.csum[c];
-    // acc^T *= alpha, only when some running max moved
-    bool moved = false;
-    for (int c = 0; c < NR; ++c) moved |= t.alpha[c] != T(1);
     if (moved) {
       for (T* ad = t.acc; ad != t.m; ad += NR) {
 #pragma omp simd
         for (int c = 0; c < NR; ++c) ad[c] *= t.alpha[c];
       }
     }
+  }
+
+  // After a fused block: l += csum, unless some score exceeded its reference by over kSlack
+  // (P may have overflowed): then the block's scores are recomputed and taken the two-pass way.
+  void finish_fused(index_t bh, index_t qp, index_t k0, index_t kb, Tile& t) const {
+    bool over = false;
+    for (int c = 0; c < NR; ++c) over |= t.xmax[c] > kSlack;
+    if (over) {
+      scores(bh, qp, k0, kb, &t, 1, nullptr);
+      online_softmax(kb, t);
+      return;
+    }
+#pragma omp simd
+    for (int c = 0; c < NR; ++c) t.l[c] += t.csum[c];
   }
 
   // acc^T += V_blk^T P^T for every panel, eight value columns at a time across the panels.
@@ -162,12 +212,21 @@ struct Attention {
         t[p].m[c] = -kInf;
         t[p].l[c] = T(0);
       }
+      t[p].ready = false;
       for (index_t x = 0; x < a.Ev * NR; ++x) t[p].acc[x] = T(0);
     }
     for (index_t k0 = 0; k0 < kend; k0 += BK) {
       const index_t kb = min_of<index_t>(BK, kend - k0);
-      scores(bh, q0, k0, kb, t, np);
-      for (int p = 0; p < np; ++p) online_softmax(kb, t[p]);
+      const bool plain = unmasked(q0, k0, kb);
+      bool fused[K::NP];
+      for (int p = 0; p < np; ++p) fused[p] = plain && t[p].ready;
+      scores(bh, q0, k0, kb, t, np, fused);
+      for (int p = 0; p < np; ++p) {
+        if (fused[p])
+          finish_fused(bh, q0 + p * NR, k0, kb, t[p]);
+        else
+          online_softmax(kb, t[p]);
+      }
       accumulate(bh, k0, kb, t, np, kend);
     }
     for (int p = 0; p < np; ++p) finish_panel(bh, q0 + p * NR, kend, t[p]);
@@ -199,7 +258,7 @@ struct Attention {
     T* w = W + a.woff[bh] + q0 * a.w_rs;
     for (index_t k0 = 0; k0 < kend; k0 += BK) {
       const index_t kb = min_of<index_t>(BK, kend - k0);
-      scores(bh, q0, k0, kb, &t, 1);
+      scores(bh, q0, k0, kb, &t, 1, nullptr);
       for (index_t j = 0; j < kb; ++j) K::exp2_sub_cols(t.st + j * NR, t.sub, t.alpha, NR);
       for (index_t c = 0; c < qc; ++c) {
         T* wr = w + c * a.w_rs + k0;

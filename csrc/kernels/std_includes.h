@@ -6,5 +6,6 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "frame/api.h"

@@ -2,21 +2,20 @@
 // and AVX-512 translation units (inside each one's namespace, compiled with its own flags).
 //
 // Ops provides: T, V (vector), Mask, L (lanes); mask(n) for lanes [0, n); load, maskload,
-// store, maskstore, set1, zero, add, sub, fma, maskz (zero the lanes outside a mask),
+// store, maskstore, set1, zero, add, sub, max, fma, maskz (zero the lanes outside a mask),
 // reduce_add and exp2. Every intrinsic lives in the Ops structs of kernels_<isa>.cpp; nothing
 // here names one, so a float and a double kernel, or an AVX2 and an AVX-512 one, are the same
 // schedule on different vectors.
 #pragma once
 
 // ------------------------------------------------------------------ GEMM register tile
-// C[M x NV*L] (+)= A[M x k] B[k x NV*L]: M rows of A are broadcast (A read through rsa, csa),
-// NV vectors of B are loaded per k step (rows ldb apart), M*NV accumulators stay in registers;
-// only the first nr columns of C are loaded and stored.
-template <class Ops, int NV, int M>
-static inline void gemm_regtile(index_t k, const typename Ops::T* a, index_t rsa, index_t csa,
-                                const typename Ops::T* b, index_t ldb, typename Ops::T* c, index_t ldc, int nr,
-                                bool accumulate) {
-  using T = typename Ops::T;
+// acc[M][NV] = A[M x k] B[k x NV*L]: M rows of A are broadcast (A read through rsa, csa), NV
+// vectors of B are loaded per k step (rows ldb apart), M*NV accumulators stay in registers and
+// are handed to the epilogue `epi`, inlined, so that they never leave the registers in between.
+template <class Ops, int NV, int M, class Epi>
+static inline __attribute__((always_inline)) void gemm_regtile(index_t k, const typename Ops::T* a, index_t rsa,
+                                                                index_t csa, const typename Ops::T* b, index_t ldb,
+                                                                Epi&& epi) {
   using V = typename Ops::V;
   constexpr int L = Ops::L;
   V acc[M][NV];
@@ -37,38 +36,17 @@ static inline void gemm_regtile(index_t k, const typename Ops::T* a, index_t rsa
     a += csa;
     b += ldb;
   }
-  if (nr == NV * L) {
-#pragma GCC unroll 8
-    for (int r = 0; r < M; ++r) {
-      T* cr = c + r * ldc;
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v)
-        Ops::store(cr + v * L, accumulate ? Ops::add(acc[r][v], Ops::load(cr + v * L)) : acc[r][v]);
-    }
-    return;
-  }
-  typename Ops::Mask m[NV];
-#pragma GCC unroll 4
-  for (int v = 0; v < NV; ++v) m[v] = Ops::mask(nr - v * L);
-#pragma GCC unroll 8
-  for (int r = 0; r < M; ++r) {
-    T* cr = c + r * ldc;
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v)
-      Ops::maskstore(m[v], cr + v * L,
-                     accumulate ? Ops::add(acc[r][v], Ops::maskload(m[v], cr + v * L)) : acc[r][v]);
-  }
+  epi(acc);
 }
 
-// The register tile for mr <= MR live rows, each row count its own instance.
-template <class Ops, int NV, int MR>
-static inline void gemm_ukernel(int mr, index_t k, const typename Ops::T* a, index_t rsa, index_t csa,
-                                const typename Ops::T* b, index_t ldb, typename Ops::T* c, index_t ldc, int nr,
-                                bool accumulate) {
+// Calls f(std::integral_constant<int, M>) for M = mr, so each live row count 1..MR is its own
+// fully unrolled instance.
+template <int MR, class F>
+static inline void with_rows(int mr, F&& f) {
   static_assert(MR >= 1 && MR <= 8, "register tiles have 1 to 8 rows");
 #define PYATTN_ROWS(M) \
   case M:              \
-    if constexpr (MR >= M) return gemm_regtile<Ops, NV, M>(k, a, rsa, csa, b, ldb, c, ldc, nr, accumulate); \
+    if constexpr (MR >= M) return f(std::integral_constant<int, M>{}); \
     break;
   switch (mr) {
     PYATTN_ROWS(8)
@@ -81,7 +59,84 @@ static inline void gemm_ukernel(int mr, index_t k, const typename Ops::T* a, ind
     default: break;
   }
 #undef PYATTN_ROWS
-  gemm_regtile<Ops, NV, 1>(k, a, rsa, csa, b, ldb, c, ldc, nr, accumulate);
+  f(std::integral_constant<int, 1>{});
+}
+
+// C[mr x nr] (+)= A[mr x k] B[k x NV*L]; only the first nr columns of C are loaded and stored.
+template <class Ops, int NV, int MR>
+static inline void gemm_ukernel(int mr, index_t k, const typename Ops::T* a, index_t rsa, index_t csa,
+                                const typename Ops::T* b, index_t ldb, typename Ops::T* c, index_t ldc, int nr,
+                                bool accumulate) {
+  using T = typename Ops::T;
+  using V = typename Ops::V;
+  constexpr int L = Ops::L;
+  with_rows<MR>(mr, [&](auto rows) {
+    constexpr int M = decltype(rows)::value;
+    gemm_regtile<Ops, NV, M>(k, a, rsa, csa, b, ldb, [&](V (&acc)[M][NV]) {
+      if (nr == NV * L) {
+#pragma GCC unroll 8
+        for (int r = 0; r < M; ++r) {
+          T* cr = c + r * ldc;
+#pragma GCC unroll 4
+          for (int v = 0; v < NV; ++v)
+            Ops::store(cr + v * L, accumulate ? Ops::add(acc[r][v], Ops::load(cr + v * L)) : acc[r][v]);
+        }
+        return;
+      }
+      typename Ops::Mask m[NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) m[v] = Ops::mask(nr - v * L);
+#pragma GCC unroll 8
+      for (int r = 0; r < M; ++r) {
+        T* cr = c + r * ldc;
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v)
+          Ops::maskstore(m[v], cr + v * L,
+                         accumulate ? Ops::add(acc[r][v], Ops::maskload(m[v], cr + v * L)) : acc[r][v]);
+      }
+    });
+  });
+}
+
+// The attention scores with the softmax numerator fused into the store, all NV*L columns:
+//   x = A B - sub (per column); xmax = max(xmax, colmax(x)); C = exp2(x); csum += colsum(C)
+// so the score tile goes from registers to memory once, already exponentiated.
+template <class Ops, int NV, int MR>
+static inline void gemm_ukernel_exp2(int mr, index_t k, const typename Ops::T* a, index_t rsa, index_t csa,
+                                     const typename Ops::T* b, index_t ldb, typename Ops::T* c, index_t ldc,
+                                     const typename Ops::T* sub, typename Ops::T* xmax, typename Ops::T* csum) {
+  using T = typename Ops::T;
+  using V = typename Ops::V;
+  constexpr int L = Ops::L;
+  with_rows<MR>(mr, [&](auto rows) {
+    constexpr int M = decltype(rows)::value;
+    gemm_regtile<Ops, NV, M>(k, a, rsa, csa, b, ldb, [&](V (&acc)[M][NV]) {
+      V sv[NV], mx[NV], sm[NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        sv[v] = Ops::load(sub + v * L);
+        mx[v] = Ops::load(xmax + v * L);
+        sm[v] = Ops::load(csum + v * L);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < M; ++r) {
+        T* cr = c + r * ldc;
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) {
+          const V x = Ops::sub(acc[r][v], sv[v]);
+          mx[v] = Ops::max(mx[v], x);
+          const V e = Ops::exp2(x);
+          sm[v] = Ops::add(sm[v], e);
+          Ops::store(cr + v * L, e);
+        }
+      }
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        Ops::store(xmax + v * L, mx[v]);
+        Ops::store(csum + v * L, sm[v]);
+      }
+    });
+  });
 }
 
 // ------------------------------------------------------------------ row kernels

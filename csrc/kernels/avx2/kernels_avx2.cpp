@@ -67,6 +67,7 @@ struct OpsF32 {
   static V zero() { return _mm256_setzero_ps(); }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V maskz(Mask m, V v) { return _mm256_and_ps(v, _mm256_castsi256_ps(m)); }
   static T reduce_add(V v) { return hsum_ps(v); }
@@ -86,6 +87,7 @@ struct OpsF64 {
   static V zero() { return _mm256_setzero_pd(); }
   static V add(V a, V b) { return _mm256_add_pd(a, b); }
   static V sub(V a, V b) { return _mm256_sub_pd(a, b); }
+  static V max(V a, V b) { return _mm256_max_pd(a, b); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_pd(a, b, c); }
   static V maskz(Mask m, V v) { return _mm256_and_pd(v, _mm256_castsi256_pd(m)); }
   static T reduce_add(V v) { return hsum_pd(v); }
@@ -105,6 +107,10 @@ struct sgemm_ukernel_6x16_avx2 : VecKernels<OpsF32> {
                       index_t ldc, int nr, bool acc) {
     gemm_ukernel<OpsF32, 2, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, acc);
   }
+  static void ukernel_exp2(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
+                           index_t ldc, const T* sub, T* xmax, T* csum) {
+    gemm_ukernel_exp2<OpsF32, 2, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, sub, xmax, csum);
+  }
   //   dst[c*drs + r] = src[r*srs + c], in 8 x 8 register blocks
   static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
     transpose_ps(src, srs, rows, cols, dst, drs);
@@ -116,6 +122,10 @@ struct dgemm_ukernel_6x8_avx2 : VecKernels<OpsF64> {
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool acc) {
     gemm_ukernel<OpsF64, 2, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, acc);
+  }
+  static void ukernel_exp2(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
+                           index_t ldc, const T* sub, T* xmax, T* csum) {
+    gemm_ukernel_exp2<OpsF64, 2, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, sub, xmax, csum);
   }
   static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
     transpose_ref<T>(src, srs, rows, cols, dst, drs);

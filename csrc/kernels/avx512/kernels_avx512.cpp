@@ -55,6 +55,7 @@ struct OpsF32 {
   static V zero() { return _mm512_setzero_ps(); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V maskz(Mask m, V v) { return _mm512_maskz_mov_ps(m, v); }
   static T reduce_add(V v) { return _mm512_reduce_add_ps(v); }
@@ -74,6 +75,7 @@ struct OpsF64 {
   static V zero() { return _mm512_setzero_pd(); }
   static V add(V a, V b) { return _mm512_add_pd(a, b); }
   static V sub(V a, V b) { return _mm512_sub_pd(a, b); }
+  static V max(V a, V b) { return _mm512_max_pd(a, b); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_pd(a, b, c); }
   static V maskz(Mask m, V v) { return _mm512_maskz_mov_pd(m, v); }
   static T reduce_add(V v) { return _mm512_reduce_add_pd(v); }
@@ -106,6 +108,10 @@ struct sgemm_ukernel_8x48_avx512 : VecKernels<OpsF32> {
                       index_t ldc, int nr, bool acc) {
     gemm_ukernel<OpsF32, 3, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, acc);
   }
+  static void ukernel_exp2(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
+                           index_t ldc, const T* sub, T* xmax, T* csum) {
+    gemm_ukernel_exp2<OpsF32, 3, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, sub, xmax, csum);
+  }
   //   dst[c*drs + r] = src[r*srs + c], in 8 x 8 register blocks
   static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
     transpose_ps(src, srs, rows, cols, dst, drs);
@@ -117,6 +123,10 @@ struct dgemm_ukernel_8x24_avx512 : VecKernels<OpsF64> {
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool acc) {
     gemm_ukernel<OpsF64, 3, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, acc);
+  }
+  static void ukernel_exp2(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
+                           index_t ldc, const T* sub, T* xmax, T* csum) {
+    gemm_ukernel_exp2<OpsF64, 3, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, sub, xmax, csum);
   }
   static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
     transpose_ref<T>(src, srs, rows, cols, dst, drs);

@@ -25,6 +25,16 @@ inline void gemm_ukernel_ref(int mr, index_t k, const T* a, index_t rsa, index_t
 
 template <class T>
 struct GenericKernels {
+  //   x = c - sub (per column); xmax = max(xmax, colmax(x)); c = exp2(x); csum += colsum(c)
+  static void exp2_tile(int mr, int nr, T* c, index_t ldc, const T* sub, T* xmax, T* csum) {
+    for (int r = 0; r < mr; ++r)
+      for (int j = 0; j < nr; ++j) {
+        const T x = c[r * ldc + j] - sub[j];
+        xmax[j] = x > xmax[j] ? x : xmax[j];
+        c[r * ldc + j] = std::exp2(x);
+        csum[j] += c[r * ldc + j];
+      }
+  }
   //   q . k
   static T dot1(const T* q, const T* k, index_t n) {
     T s = T(0);
@@ -71,6 +81,11 @@ struct sgemm_ukernel_4x16_generic : GenericKernels<float> {
                       index_t ldc, int nr, bool accumulate) {
     gemm_ukernel_ref<T, MR, NR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, accumulate);
   }
+  static void ukernel_exp2(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
+                           index_t ldc, const T* sub, T* xmax, T* csum) {
+    gemm_ukernel_ref<T, MR, NR>(mr, k, a, rsa, csa, b, ldb, c, ldc, NR, false);
+    exp2_tile(mr, NR, c, ldc, sub, xmax, csum);
+  }
 };
 struct dgemm_ukernel_4x8_generic : GenericKernels<double> {
   using T = double;
@@ -82,6 +97,11 @@ struct dgemm_ukernel_4x8_generic : GenericKernels<double> {
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool accumulate) {
     gemm_ukernel_ref<T, MR, NR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, accumulate);
+  }
+  static void ukernel_exp2(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
+                           index_t ldc, const T* sub, T* xmax, T* csum) {
+    gemm_ukernel_ref<T, MR, NR>(mr, k, a, rsa, csa, b, ldb, c, ldc, NR, false);
+    exp2_tile(mr, NR, c, ldc, sub, xmax, csum);
   }
 };
 
