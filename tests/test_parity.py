@@ -421,6 +421,34 @@ def test_large_scores(isa, dtype, rng):
         assert np.isfinite(out).all()
 
 
+@dtype_param
+@pytest.mark.parametrize("pattern", ["rising", "spike", "falling"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_row_max_moves_across_key_blocks(isa, dtype, pattern, causal, rng):
+    """Row maxima that move by far more than the kernel's slack (2^8) from one key block to the
+    next. The prefill keeps each query's softmax reference from its first key block and fuses
+    the exp into the score kernel: a later block that beats it has to be redone against a new
+    reference (a spike of ~180 in log2 units would overflow float32 otherwise), and masked
+    (causal diagonal) blocks move the reference the two-pass way."""
+    L, e = 600, 16
+    q = randn(rng, (1, 2, L, e), dtype)
+    k = randn(rng, (1, 2, L, e), dtype)
+    v = randn(rng, (1, 2, L, e), dtype)
+    q[..., 0] = 1.0
+    if pattern == "rising":  # every row's max grows block after block
+        k *= np.linspace(0.1, 12.0, L, dtype=dtype)[:, None]
+    elif pattern == "falling":  # the first block holds the max; later P underflow
+        k *= np.linspace(12.0, 0.1, L, dtype=dtype)[:, None]
+    else:  # one late key scores ~125 for every query that sees it: exp(125) overflows float32
+        k[..., 450, 0] = 500.0
+    (out, _, lse), _ = check((q, k, v), dict(is_causal=causal), dtype=dtype)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    if pattern == "spike":  # the rows that see key 450 take (almost exactly) its value
+        rows = slice(450, None) if causal else slice(None)
+        np.testing.assert_allclose(out[..., rows, :], np.broadcast_to(v[..., 450:451, :], out[..., rows, :].shape),
+                                   rtol=1e-5, atol=1e-5)
+
+
 # --------------------------------------------------------------------------- decode
 
 DECODE = [(1, 100, 8, 8), (1, 1000, 8, 2), (1, 2048, 32, 1), (1, 4096, 4, 4), (2, 513, 8, 2),
