@@ -85,6 +85,26 @@ def measure_sgemm_gflops(n: int = 2048, reps: int = 7) -> float:
     return 2.0 * n**3 / min(times) / 1e9
 
 
+def measure_read_gbs(threads: int, mib: int = 512, reps: int = 5) -> float:
+    """Memory read bandwidth with ``threads`` threads: NumPy sums equal parts of a ``mib`` MiB
+    float32 array in Python threads (the reduction releases the GIL); GB/s of the best of
+    ``reps``. What decode's K/V streaming is compared with, measured in the same run."""
+    import threading
+
+    x = np.ones((mib << 20) // 4, np.float32)
+    parts = np.array_split(x, max(1, threads))
+    best = 0.0
+    for _ in range(reps):
+        workers = [threading.Thread(target=np.sum, args=(p,)) for p in parts]
+        t0 = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = max(best, x.nbytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
 def pytest_report_header(config):
     lines = []
     blas = openblas_info()
@@ -117,5 +137,6 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info["openblas_env"] = {v: os.environ.get(v) for v in OPENBLAS_VARS}
     machine_info["peers"] = versions()
     machine_info["sgemm_peak_gflops"] = measure_sgemm_gflops()
+    machine_info["read_gbs"] = measure_read_gbs(int(pyattn.get_num_threads()))
     if hasattr(os, "getloadavg"):
         machine_info["loadavg_end"] = os.getloadavg()

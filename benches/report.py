@@ -75,6 +75,10 @@ def header(data: dict) -> list:
     peak = mi.get("sgemm_peak_gflops")
     lines.append(f"- sgemm peak (NumPy float32 2048^3, best of 7, in the benchmark process): "
                  f"{_fmt(peak, '.0f')} GFLOP/s")
+    bw = mi.get("read_gbs")
+    lines.append(f"- memory read bandwidth (NumPy sums of a 512 MiB array in "
+                 f"{pa.get('num_threads')} threads, best of 5, in the benchmark process): "
+                 f"{_fmt(bw, '.1f')} GB/s")
     load = mi.get("loadavg_end")
     if load:
         lines.append(f"- load average at the end (1/5/15 min): {load[0]:.2f} / {load[1]:.2f} / "
@@ -127,9 +131,12 @@ def group_table(benches: list, peak) -> list:
     return rows
 
 
-def attention_summary(groups: dict, peak) -> list:
+def attention_summary(groups: dict, peak, bw=None) -> list:
+    """One row per shape; `% read bw` (GB/s of q, k, v and the output over the measured read
+    bandwidth) is the figure that matters for decode, `% sgemm peak` for the rest."""
     peers = ("numpy_ref", "torch", "onnxruntime")
-    cols = ["shape", "pyattn ms", "GFLOP/s", "GB/s", "% sgemm peak"] + [f"x {p}" for p in peers]
+    cols = ["shape", "pyattn ms", "GFLOP/s", "GB/s", "% sgemm peak", "% read bw"]
+    cols += [f"x {p}" for p in peers]
     rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for name, benches in groups.items():
         if benches[0].get("extra_info", {}).get("kind") != "attention":
@@ -143,7 +150,8 @@ def attention_summary(groups: dict, peak) -> list:
         gflops = ex["flops"] / t / 1e9
         cells = [ex.get("shape", name), f"{t * 1e3:.3f}", f"{gflops:.1f}",
                  f"{ex['bytes'] / t / 1e9:.1f}",
-                 _fmt(100 * gflops / peak if peak else None, ".0f")]
+                 _fmt(100 * gflops / peak if peak else None, ".0f"),
+                 _fmt(100 * ex["bytes"] / t / 1e9 / bw if bw else None, ".0f")]
         for p in peers:
             pb = by_impl.get(p)
             cells.append(_fmt(pb["stats"]["median"] / t if pb else None, ".2f"))
@@ -159,7 +167,7 @@ def report(data: dict) -> str:
     out = ["# pyattn benchmarks", ""] + header(data) + [""]
     out += ["Medians of pytest-benchmark; `peer / pyattn` = peer median / pyattn median "
             "(above 1: pyattn is faster); `—`: not run (skipped, see the pytest output).", ""]
-    summary = attention_summary(groups, peak)
+    summary = attention_summary(groups, peak, data.get("machine_info", {}).get("read_gbs"))
     if summary:
         out += ["## attention summary (pyattn, and its speed-up over each peer)", ""] + summary
         out.append("")
