@@ -215,19 +215,27 @@ struct Attention {
       t[p].ready = false;
       for (index_t x = 0; x < a.Ev * NR; ++x) t[p].acc[x] = T(0);
     }
-    for (index_t k0 = 0; k0 < kend; k0 += BK) {
-      const index_t kb = min_of<index_t>(BK, kend - k0);
-      const bool plain = unmasked(q0, k0, kb);
+    // Causal: panels before p0 see no key from k0 on and are left out; a block is cut where the
+    // first active panel's keys end, so that it computes no row of keys it cannot see.
+    int p0 = 0;
+    for (index_t k0 = 0, kb = 0; k0 < kend; k0 += kb) {
+      while (p0 < np - 1 && key_end(q0 + (p0 + 1) * NR - 1) <= k0) ++p0;
+      kb = min_of<index_t>(BK, kend - k0);
+      if (p0 < np - 1) kb = min_of<index_t>(kb, max_of<index_t>(MR, key_end(q0 + (p0 + 1) * NR - 1) - k0));
+      const index_t qa = q0 + p0 * NR;
+      Tile* ta = t + p0;
+      const int na = np - p0;
+      const bool plain = unmasked(qa, k0, kb);
       bool fused[K::NP];
-      for (int p = 0; p < np; ++p) fused[p] = plain && t[p].ready;
-      scores(bh, q0, k0, kb, t, np, fused);
-      for (int p = 0; p < np; ++p) {
+      for (int p = 0; p < na; ++p) fused[p] = plain && ta[p].ready;
+      scores(bh, qa, k0, kb, ta, na, fused);
+      for (int p = 0; p < na; ++p) {
         if (fused[p])
-          finish_fused(bh, q0 + p * NR, k0, kb, t[p]);
+          finish_fused(bh, qa + p * NR, k0, kb, ta[p]);
         else
-          online_softmax(kb, t[p]);
+          online_softmax(kb, ta[p]);
       }
-      accumulate(bh, k0, kb, t, np, kend);
+      accumulate(bh, k0, kb, ta, na, kend);
     }
     for (int p = 0; p < np; ++p) finish_panel(bh, q0 + p * NR, kend, t[p]);
   }
