@@ -349,7 +349,7 @@ struct Attention {
           prefetch_rows_l2(kr + PFD * DB * a.k_rs, a.k_rs, 1, E);
           prefetch_rows_l2(vbase + (k0 + PFD * DB + j) * a.v_rs, a.v_rs, 1, Ev);
         }
-        for (index_t x = 0; x < r.R; ++x) r.s[x * DB + j] = K::dot1(r.q + x * E, kr, E);
+        K::dot_rows(r.q, E, r.R, kr, E, r.s + j, DB);
       }
       for (index_t x = 0; x < r.R; ++x) {
         const index_t h = h0 + x / Lq, qi = x % Lq;

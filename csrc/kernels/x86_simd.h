@@ -185,60 +185,112 @@ struct VecKernels {
   // order streams at memory speed, where reading several rows side by side (column-wise within
   // a block) confuses the prefetchers and runs at a third of it.
 
-  //   q . k, the row read in order
-  static T dot1(const T* q, const T* k, index_t n) {
-    V a0 = Ops::zero(), a1 = a0;
+  //   s[r*ss] = q_r . k for RB rows q_r (qs apart): each vector of the K row is loaded once for
+  //   all of them; one row keeps two accumulators to halve its FMA chain.
+  template <int RB>
+  static void dot_block(const T* q, index_t qs, const T* k, index_t n, T* s, index_t ss) {
+    constexpr int NA = RB == 1 ? 2 : 1;
+    V acc[RB][NA];
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 2
+      for (int i = 0; i < NA; ++i) acc[r][i] = Ops::zero();
     index_t e = 0;
-    for (; e + 2 * L <= n; e += 2 * L) {
-      a0 = Ops::fma(Ops::load(q + e), Ops::load(k + e), a0);
-      a1 = Ops::fma(Ops::load(q + e + L), Ops::load(k + e + L), a1);
+    for (; e + NA * L <= n; e += NA * L) {
+#pragma GCC unroll 2
+      for (int i = 0; i < NA; ++i) {
+        const V kv = Ops::load(k + e + i * L);
+#pragma GCC unroll 4
+        for (int r = 0; r < RB; ++r) acc[r][i] = Ops::fma(Ops::load(q + r * qs + e + i * L), kv, acc[r][i]);
+      }
     }
     for (; e < n; e += L) {
       const typename Ops::Mask m = Ops::mask(int(n - e));
-      a0 = Ops::fma(Ops::maskload(m, q + e), Ops::maskload(m, k + e), a0);
+      const V kv = Ops::maskload(m, k + e);
+#pragma GCC unroll 4
+      for (int r = 0; r < RB; ++r) acc[r][0] = Ops::fma(Ops::maskload(m, q + r * qs + e), kv, acc[r][0]);
     }
-    return Ops::reduce_add(Ops::add(a0, a1));
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r) s[r * ss] = Ops::reduce_add(NA == 2 ? Ops::add(acc[r][0], acc[r][NA - 1]) : acc[r][0]);
   }
 
-  //   acc[x, d] += sum_j p[x*ps + j] * v[j*v_rs + d], for an NV-vector column chunk of width w
-  //   kept in registers across all kb rows.
-  template <int NV>
-  static void pv_chunk(const T* p, index_t ps, index_t R, index_t kb, const T* v, index_t v_rs, int w, T* acc,
-                       index_t ldacc) {
+  //   s[x*ss] = q_x . k for x < R, the K row read in order, four query rows at a time
+  static void dot_rows(const T* q, index_t qs, index_t R, const T* k, index_t n, T* s, index_t ss) {
+    index_t x = 0;
+    for (; x + 4 <= R; x += 4) dot_block<4>(q + x * qs, qs, k, n, s + x * ss, ss);
+    switch (R - x) {
+      case 3: dot_block<3>(q + x * qs, qs, k, n, s + x * ss, ss); break;
+      case 2: dot_block<2>(q + x * qs, qs, k, n, s + x * ss, ss); break;
+      case 1: dot_block<1>(q + x * qs, qs, k, n, s + x * ss, ss); break;
+      default: break;
+    }
+  }
+
+  //   acc[r, :w] += sum_j p[r*ps + j] * v[j*v_rs, :w] for RB rows: NV vectors of each V row are
+  //   loaded once for all RB rows, and the RB x NV accumulators stay in registers over the kb rows.
+  template <int NV, int RB>
+  static void pv_block(const T* p, index_t ps, index_t kb, const T* v, index_t v_rs, int w, T* acc, index_t ldacc) {
     const typename Ops::Mask last = Ops::mask(w - (NV - 1) * L);
     auto ld = [&](int i, const T* ptr) { return i < NV - 1 ? Ops::load(ptr) : Ops::maskload(last, ptr); };
-    for (index_t x = 0; x < R; ++x) {
-      T* ax = acc + x * ldacc;
-      V a[NV];
+    V a[RB][NV];
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 8
-      for (int i = 0; i < NV; ++i) a[i] = ld(i, ax + i * L);
-      const T* px = p + x * ps;
-      for (index_t j = 0; j < kb; ++j) {
-        const V pj = Ops::set1(px[j]);
-        const T* vr = v + j * v_rs;
+      for (int i = 0; i < NV; ++i) a[r][i] = ld(i, acc + r * ldacc + i * L);
+    for (index_t j = 0; j < kb; ++j) {
+      const T* vr = v + j * v_rs;
+      V vv[NV];
 #pragma GCC unroll 8
-        for (int i = 0; i < NV; ++i) a[i] = Ops::fma(pj, ld(i, vr + i * L), a[i]);
+      for (int i = 0; i < NV; ++i) vv[i] = ld(i, vr + i * L);
+#pragma GCC unroll 4
+      for (int r = 0; r < RB; ++r) {
+        const V pj = Ops::set1(p[r * ps + j]);
+#pragma GCC unroll 8
+        for (int i = 0; i < NV; ++i) a[r][i] = Ops::fma(pj, vv[i], a[r][i]);
       }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r) {
 #pragma GCC unroll 8
-      for (int i = 0; i < NV - 1; ++i) Ops::store(ax + i * L, a[i]);
-      Ops::maskstore(last, ax + (NV - 1) * L, a[NV - 1]);
+      for (int i = 0; i < NV - 1; ++i) Ops::store(acc + r * ldacc + i * L, a[r][i]);
+      Ops::maskstore(last, acc + r * ldacc + (NV - 1) * L, a[r][NV - 1]);
     }
   }
 
-  //   acc[x, :] += sum_j p[x*ps + j] * v[j*v_rs, :], in column chunks of up to 8 vectors
+  // One column chunk of width w (at most CW = 16 / RB vectors) for RB rows.
+  template <int RB>
+  static void pv_chunk(const T* p, index_t ps, index_t kb, const T* v, index_t v_rs, int w, T* acc, index_t ldacc) {
+    switch ((w + L - 1) / L) {
+      case 8: if constexpr (RB <= 2) pv_block<8, RB>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
+      case 7: if constexpr (RB <= 2) pv_block<7, RB>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
+      case 6: if constexpr (RB <= 2) pv_block<6, RB>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
+      case 5: if constexpr (RB <= 2) pv_block<5, RB>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
+      case 4: pv_block<4, RB>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
+      case 3: pv_block<3, RB>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
+      case 2: pv_block<2, RB>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
+      default: pv_block<1, RB>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
+    }
+  }
+
+  //   acc[x, :] += sum_j p[x*ps + j] * v[j*v_rs, :] for x < R: rows four (or two, one) at a
+  //   time, each V row chunk read once for all of them, in column chunks of 16 / RB vectors
+  //   (16 accumulators).
   static void pv_rows(const T* p, index_t ps, index_t R, index_t kb, const T* v, index_t v_rs, index_t Ev, T* acc) {
-    for (index_t d0 = 0; d0 < Ev; d0 += 8 * L) {
-      const int w = int(Ev - d0 < 8 * L ? Ev - d0 : 8 * L);
-      switch ((w + L - 1) / L) {
-        case 8: pv_chunk<8>(p, ps, R, kb, v + d0, v_rs, w, acc + d0, Ev); break;
-        case 7: pv_chunk<7>(p, ps, R, kb, v + d0, v_rs, w, acc + d0, Ev); break;
-        case 6: pv_chunk<6>(p, ps, R, kb, v + d0, v_rs, w, acc + d0, Ev); break;
-        case 5: pv_chunk<5>(p, ps, R, kb, v + d0, v_rs, w, acc + d0, Ev); break;
-        case 4: pv_chunk<4>(p, ps, R, kb, v + d0, v_rs, w, acc + d0, Ev); break;
-        case 3: pv_chunk<3>(p, ps, R, kb, v + d0, v_rs, w, acc + d0, Ev); break;
-        case 2: pv_chunk<2>(p, ps, R, kb, v + d0, v_rs, w, acc + d0, Ev); break;
-        default: pv_chunk<1>(p, ps, R, kb, v + d0, v_rs, w, acc + d0, Ev); break;
+    for (index_t x = 0; x < R;) {
+      const int rb = R - x >= 4 ? 4 : R - x >= 2 ? 2 : 1;
+      const index_t cw = (rb == 4 ? 4 : 8) * L;
+      for (index_t d0 = 0; d0 < Ev; d0 += cw) {
+        const int w = int(Ev - d0 < cw ? Ev - d0 : cw);
+        const T* px = p + x * ps;
+        T* ax = acc + x * Ev + d0;
+        if (rb == 4)
+          pv_chunk<4>(px, ps, kb, v + d0, v_rs, w, ax, Ev);
+        else if (rb == 2)
+          pv_chunk<2>(px, ps, kb, v + d0, v_rs, w, ax, Ev);
+        else
+          pv_chunk<1>(px, ps, kb, v + d0, v_rs, w, ax, Ev);
       }
+      x += rb;
     }
   }
 };

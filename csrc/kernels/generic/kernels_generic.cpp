@@ -35,11 +35,13 @@ struct GenericKernels {
         csum[j] += c[r * ldc + j];
       }
   }
-  //   q . k
-  static T dot1(const T* q, const T* k, index_t n) {
-    T s = T(0);
-    for (index_t e = 0; e < n; ++e) s += q[e] * k[e];
-    return s;
+  //   s[x*ss] = q_x . k for x < R
+  static void dot_rows(const T* q, index_t qs, index_t R, const T* k, index_t n, T* s, index_t ss) {
+    for (index_t x = 0; x < R; ++x) {
+      T d = T(0);
+      for (index_t e = 0; e < n; ++e) d += q[x * qs + e] * k[e];
+      s[x * ss] = d;
+    }
   }
   //   acc[x, d] += sum_j p[x*ps + j] * v[j*v_rs + d]
   static void pv_rows(const T* p, index_t ps, index_t R, index_t kb, const T* v, index_t v_rs, index_t Ev, T* acc) {
