@@ -13,6 +13,14 @@ cmake -S "$repo" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DP
 cmake --build "$work/build"
 cp -r "$repo/pyattn" "$work/pkg/"
 cp "$work/build"/_core*.so "$work/pkg/pyattn/"
+# An editable install of pyattn redirects imports to its own build ahead of PYTHONPATH; drop
+# that redirection so this directory's pyattn, with the sanitized core, is the one imported.
+cat > "$work/pkg/sitecustomize.py" <<'PY'
+import sys
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__]
+PY
+PYTHONPATH="$work/pkg" python -c "import pyattn._api as a, sys; f = a._core.__file__; \
+assert f.startswith('$work/pkg/'), f'imported {f}, not the sanitized build'; print('core:', f)"
 asan=$(g++ -print-file-name=libasan.so)
 ubsan=$(g++ -print-file-name=libubsan.so)
 cd "$work/pkg"

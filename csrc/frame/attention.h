@@ -82,7 +82,7 @@ struct Attention {
   }
 
   // qt[e*NR + q] = Q[q0+q, e] * s2, zero beyond the qc real queries.
-  void pack_qt(const T* q, index_t qc, T* qt) const {
+  PYATTN_PHASE void pack_qt(const T* q, index_t qc, T* qt) const {
     if (qc < NR)
       for (index_t e = 0; e < a.E; ++e)
         for (index_t c = qc; c < NR; ++c) qt[e * NR + c] = T(0);
@@ -92,7 +92,7 @@ struct Attention {
 
   // s[j*stride] = -inf where key k0+j (j < kb) is hidden from query qi of problem bh (causal
   // or bool mask); an additive mask is added. Shared by the prefill tiles and the decode rows.
-  void mask_row(index_t bh, index_t qi, index_t k0, index_t kb, T* s, index_t stride) const {
+  PYATTN_PHASE void mask_row(index_t bh, index_t qi, index_t k0, index_t kb, T* s, index_t stride) const {
     if (a.causal != Causal::none)
       for (index_t j = max_of<index_t>(0, qi + coff + 1 - k0); j < kb; ++j) s[j * stride] = -kInf;
     apply_mask_row(a.mask_kind, a.mask, a.mask_kind == MaskKind::none ? 0 : a.moff[bh] + qi * a.m_rs + k0 * a.m_cs,
@@ -109,7 +109,7 @@ struct Attention {
   // those K rows are read from memory once and from L1 for the other panels; then masked.
   // Panels with fused[p] get P^T = exp2(S^T - sub) straight from the kernel, with colmax(S^T -
   // sub) in xmax and colsum(P^T) in csum (only for unmasked blocks).
-  void scores(index_t bh, index_t q0, index_t k0, index_t kb, Tile* t, int np, const bool* fused) const {
+  PYATTN_PHASE void scores(index_t bh, index_t q0, index_t k0, index_t kb, Tile* t, int np, const bool* fused) const {
     const T* kblk = Kp + a.koff[bh] + k0 * a.k_rs;
     const T* vblk = V + a.voff[bh] + k0 * a.v_rs;
     for (int p = 0; p < np; ++p)
@@ -140,7 +140,7 @@ struct Attention {
   //   m' = colmax(st) where it exceeds m + kSlack, else m; alpha = exp2(m - m') (1 where m was
   //   -inf: l and acc are still 0); sub = m' or 0 if m' = -inf;
   //   st = exp2(st - sub); l = alpha*l + colsum(st); acc^T *= alpha where m moved
-  static void online_softmax(index_t kb, Tile& t) {
+  PYATTN_PHASE static void online_softmax(index_t kb, Tile& t) {
     T* cm = t.csum;  // reused: holds the column max until the column sums start
     for (int c = 0; c < NR; ++c) cm[c] = -kInf;
     for (index_t j = 0; j < kb; ++j) {
@@ -175,7 +175,7 @@ struct Attention {
 
   // After a fused block: l += csum, unless some score exceeded its reference by over kSlack
   // (P may have overflowed): then the block's scores are recomputed and taken the two-pass way.
-  void finish_fused(index_t bh, index_t qp, index_t k0, index_t kb, Tile& t) const {
+  PYATTN_PHASE void finish_fused(index_t bh, index_t qp, index_t k0, index_t kb, Tile& t) const {
     bool over = false;
     for (int c = 0; c < NR; ++c) over |= t.xmax[c] > kSlack;
     if (over) {
@@ -188,7 +188,7 @@ struct Attention {
   }
 
   // acc^T += V_blk^T P^T for every panel, eight value columns at a time across the panels.
-  void accumulate(index_t bh, index_t k0, index_t kb, Tile* t, int np, index_t kend) const {
+  PYATTN_PHASE void accumulate(index_t bh, index_t k0, index_t kb, Tile* t, int np, index_t kend) const {
     const T* vblk = V + a.voff[bh] + k0 * a.v_rs;
     // The next block's K rows, spread over the value-column steps.
     const index_t nnext = min_of<index_t>(BK, kend - k0 - kb), per = ceil_div(nnext, max_of<index_t>(1, ceil_div(a.Ev, MR)));
@@ -241,7 +241,7 @@ struct Attention {
   }
 
   // out = acc / l (zeros where no key was visible), lse = ln(2) * (m + log2(l)); weights if asked.
-  void finish_panel(index_t bh, index_t q0, index_t kend, Tile& t) const {
+  PYATTN_PHASE void finish_panel(index_t bh, index_t q0, index_t kend, Tile& t) const {
     const index_t qc = min_of<index_t>(NR, a.Lq - q0);
     T* o = O + a.ooff[bh] + q0 * a.o_rs;
     for (int c = 0; c < NR; ++c) t.csum[c] = t.l[c] > T(0) ? T(1) / t.l[c] : T(0);
@@ -261,7 +261,7 @@ struct Attention {
   }
 
   // Second sweep for return_weights: W[q, j] = exp2(S^T[j, q] - m_q) / l_q, written exactly once.
-  void weights_panel(index_t bh, index_t q0, index_t qc, index_t kend, Tile& t) const {
+  PYATTN_PHASE void weights_panel(index_t bh, index_t q0, index_t qc, index_t kend, Tile& t) const {
     const T* inv = t.csum;
     T* w = W + a.woff[bh] + q0 * a.w_rs;
     for (index_t k0 = 0; k0 < kend; k0 += BK) {
@@ -324,7 +324,7 @@ struct Attention {
 
   // Runs keys [j0, j1) of head group g; leaves unnormalised acc, running max m (log2 units)
   // and sum l per row.
-  void decode_chunk(index_t g, index_t j0, index_t j1, Rows& r) const {
+  PYATTN_PHASE void decode_chunk(index_t g, index_t j0, index_t j1, Rows& r) const {
     const index_t Lq = a.Lq, E = a.E, Ev = a.Ev;
     const index_t h0 = g * a.group;
     for (index_t x = 0; x < r.R; ++x) {

@@ -14,6 +14,16 @@ struct NumLimits<double> {
   static constexpr double inf = __builtin_huge_val();
 };
 
+// A profiling build (cmake -DPYATTN_PROFILE=ON, tools/profile.sh) keeps each attention phase a
+// function of its own so that perf attributes samples to it; normal builds inline them.
+#ifndef PYATTN_PHASE
+#ifdef PYATTN_PROFILE
+#define PYATTN_PHASE __attribute__((noinline))
+#else
+#define PYATTN_PHASE
+#endif
+#endif
+
 inline index_t ceil_div(index_t a, index_t b) { return (a + b - 1) / b; }
 inline index_t round_up(index_t a, index_t b) { return ceil_div(a, b) * b; }
 template <class T>
