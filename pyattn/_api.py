@@ -31,6 +31,7 @@ from ._validate import (
     positive_int,
     strided_ok,
     unit_last,
+    writable_in_place,
 )
 
 __all__ = [
@@ -158,9 +159,7 @@ def scaled_dot_product_attention(
                 lse[...] = -np.inf
         else:
             target = result
-            if result.strides[-1] != result.itemsize or any(s % result.itemsize for s in result.strides) or overlaps(
-                result, q, k, v, m
-            ):
+            if result.strides[-1] != result.itemsize or not writable_in_place(result) or overlaps(result, q, k, v, m):
                 target = np.empty(out_shape, dtype)
             qb = unit_last(np.broadcast_to(cast(q, dtype), lead + (Lq, E)))
             kb = unit_last(np.broadcast_to(cast(k, dtype), kv_lead + (Lk, E)))
@@ -215,7 +214,7 @@ def softmax(x, axis=-1, *, scale=None, mask=None, out=None):
     if a.size == 0:
         return result
     target = result
-    if any(s % result.itemsize for s in result.strides) or (out is not None and overlaps(result, m)):
+    if not writable_in_place(result) or (out is not None and overlaps(result, m)):
         target = np.empty(a.shape, dtype)
     xs = strided_ok(np.moveaxis(cast(a, dtype), ax, -1))
     ts = np.moveaxis(target, ax, -1)
@@ -254,7 +253,7 @@ def matmul(a, b, *, out=None):
         # The common 2-D case without the general path's broadcasting bookkeeping (~20 us).
         isz = a.itemsize
         (ra, ca), (rb, cb) = a.strides, b.strides
-        if not (ra % isz or ca % isz or rb % isz or cb % isz):
+        if a.flags.aligned and b.flags.aligned and not (ra % isz or ca % isz or rb % isz or cb % isz):
             (m, k), n = a.shape, b.shape[1]
             c = np.empty((m, n), a.dtype)
             _core.gemm(a, b, c, m, n, k, ra // isz, ca // isz, rb // isz, cb // isz, n, 1, 1, None, None, None)
@@ -282,7 +281,7 @@ def matmul(a, b, *, out=None):
     direct = (
         out is not None
         and out.shape == full
-        and not any(st % out.itemsize for st in out.strides)
+        and writable_in_place(out)
         and not overlaps(out, x, y)
     )
     c = out if direct else np.empty(full, dtype)

@@ -29,7 +29,17 @@ def compute_dtype(*arrays: np.ndarray) -> np.dtype:
 
 
 def cast(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    return a if a.dtype == dtype else a.astype(dtype)
+    """``a`` as ``dtype``: copied when the type differs, or when the data is not aligned to its
+    element size (the core reads whole elements, which such data would make undefined)."""
+    if a.dtype == dtype and a.flags.aligned:
+        return a
+    return a.astype(dtype)
+
+
+def writable_in_place(a: np.ndarray) -> bool:
+    """Whether the core may write ``a`` directly: aligned, with strides of whole elements
+    (otherwise it writes a temporary that is then copied in)."""
+    return bool(a.flags.aligned) and not any(s % a.itemsize for s in a.strides)
 
 
 def elem_strides(a: np.ndarray) -> tuple:

@@ -126,6 +126,12 @@ def test_matmul_out_views(isa, dtype, rng):
     out = np.empty((2, 17), dtype)
     assert pyattn.matmul(a, v, out=out) is out
     assert_close(out, np.matmul(a.astype(np.float64), v), dtype)
+    out = relayout(np.full((2, 17, 9), np.nan, dtype), "unaligned")  # written through a temporary
+    assert pyattn.matmul(a, b, out=out) is out
+    assert_close(out, want, dtype)
+    out2 = relayout(np.full((17, 9), np.nan, dtype), "unaligned")  # the 2-D path
+    assert pyattn.matmul(a[0], b, out=out2) is out2
+    assert_close(out2, want[0], dtype)
 
 
 def test_matmul_mixed_dtypes(isa, rng):
@@ -251,6 +257,9 @@ def test_softmax_out_view(isa, dtype, rng):
     assert pyattn.softmax(x, out=out, axis=0) is out
     assert_close(out, reference.softmax(x, axis=0), dtype)
     assert np.isnan(big[:, ::2]).all()
+    out = relayout(np.full((4, 30), np.nan, dtype), "unaligned")
+    assert pyattn.softmax(x, out=out) is out
+    assert_close(out, reference.softmax(x), dtype)
 
 
 @dtype_param

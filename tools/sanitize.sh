@@ -19,12 +19,12 @@ cat > "$work/pkg/sitecustomize.py" <<'PY'
 import sys
 sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__]
 PY
-PYTHONPATH="$work/pkg" python -c "import pyattn._api as a, sys; f = a._core.__file__; \
-assert f.startswith('$work/pkg/'), f'imported {f}, not the sanitized build'; print('core:', f)"
 asan=$(g++ -print-file-name=libasan.so)
 ubsan=$(g++ -print-file-name=libubsan.so)
 cd "$work/pkg"
 # Python itself is not instrumented: leaks from the interpreter are not ours to report.
-LD_PRELOAD="$asan:$ubsan" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
-  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONPATH="$work/pkg" \
-  python -m pytest -q -p no:cacheprovider "${@:-$repo/tests}"
+export LD_PRELOAD="$asan:$ubsan" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONPATH="$work/pkg"
+python -c "import pyattn._api as a; f = a._core.__file__; \
+assert f.startswith('$work/pkg/'), f'imported {f}, not the sanitized build'; print('core:', f)"
+python -m pytest -q -p no:cacheprovider "${@:-$repo/tests}"
