@@ -98,9 +98,17 @@ struct OpsF64 {
 //  NP: query panels of NR per attention task; both panels reuse each K/V row from L1.
 //  KC: an 8 x KC A micro-panel (8 KiB at KC = 256) stays in L1 across the NC/NR B panels;
 //  NC: a KC x NC packed B block (480 KiB) stays in the 1 MiB L2;
-//  BK: the BK x 48 score tile (24 KiB at 128) stays in L1 between the two attention GEMMs and
-//      the softmax; swept single-threaded over 64..512 on L=2048, D=64/128: 128 was ~10% ahead
-//      of 256 and within noise of 384/512, which no longer fit L1 with the Q^T tile.
+//  BK: the BK x 48 score tile (24 KiB at 128) stays in L1 between the two attention GEMMs.
+// Attention sweep (builds compared in one process with ONNX Runtime, GFLOP/s, median/best):
+//                          NP1 BK128  NP2 BK64   NP2 BK128  NP2 BK256  NP3 BK128
+//   2 thr L2048 D64 H8      169/171    170/172    172/179    169/182    175/181
+//   2 thr L4096 D128 H8     171/175    185/190    183/190    181/188    194/196
+//   1 thr L2048 D64 H4       82/92      79/96      83/96      83/93      84/94
+//   1 thr L4096 D128 H1      99/103     98/101     92/104     93/104    101/103
+//   1 thr B2 H12 L128        56/72      57/73      60/70      59/74      52/75
+// Flat within the noise on one core; on two, panels sharing each K/V row matter (NP1 is 5-10%
+// behind) while NP3 was +1-3% over NP2 in a second run (L512, L128, causal alike). NP2 BK128
+// is kept: half the scratch of NP3 and finer tasks for the causal schedule.
 struct sgemm_ukernel_8x48_avx512 : VecKernels<OpsF32> {
   static constexpr int MR = 8, NR = 48, NP = 2;
   static constexpr index_t MC = 240, KC = 256, NC = 480, BK = 128;
