@@ -56,10 +56,11 @@ struct Attention {
   // ---------------------------------------------------------------- prefill (query tiles)
 
   // m: per-query reference (-inf until a key was visible); sub: m, or 0 where m = -inf, the
-  // exponent offset; ready: every m is finite, so unmasked blocks may take the fused path.
+  // exponent offset; ready: every m is finite, so unmasked blocks may take the fused path;
+  // fresh: no key block has been taken in yet (l and acc are 0).
   struct Tile {
     T *qt, *st, *acc, *m, *l, *sub, *alpha, *csum, *xmax;
-    bool ready;
+    bool ready, fresh;
   };
 
   static std::size_t tile_scratch(index_t E, index_t Ev) {
@@ -78,6 +79,7 @@ struct Attention {
     t.csum = t.alpha + NR;
     t.xmax = t.csum + NR;
     t.ready = false;
+    t.fresh = true;
     return t;
   }
 
@@ -108,20 +110,32 @@ struct Attention {
   // S^T blocks of np query panels = K[k0:k0+kb] Q^T, eight keys at a time across all panels so
   // those K rows are read from memory once and from L1 for the other panels; then masked.
   // Panels with fused[p] get P^T = exp2(S^T - sub) straight from the kernel, with colmax(S^T -
-  // sub) in xmax and colsum(P^T) in csum (only for unmasked blocks).
-  PYATTN_PHASE void scores(index_t bh, index_t q0, index_t k0, index_t kb, Tile* t, int np, const bool* fused) const {
+  // sub) in xmax and colsum(P^T) in csum (only for unmasked blocks). With `prime` (an unmasked
+  // block), a fresh panel takes its references from its first eight keys and the fused path
+  // for the rest, fused[p] then set.
+  PYATTN_PHASE void scores(index_t bh, index_t q0, index_t k0, index_t kb, Tile* t, int np, bool* fused,
+                           bool prime) const {
     const T* kblk = Kp + a.koff[bh] + k0 * a.k_rs;
     const T* vblk = V + a.voff[bh] + k0 * a.v_rs;
-    for (int p = 0; p < np; ++p)
+    index_t first[K::NP] = {};  // rows of S^T already computed, per panel
+    for (int p = 0; p < np; ++p) {
       if (fused && fused[p])
         for (int c = 0; c < NR; ++c) {
           t[p].xmax[c] = -kInf;
           t[p].csum[c] = T(0);
         }
+      if (prime && fused && !fused[p] && t[p].fresh) {
+        const int mr = int(min_of<index_t>(MR, kb));
+        K::ukernel(mr, a.E, kblk, a.k_rs, 1, t[p].qt, NR, t[p].st, NR, NR, false);
+        fused[p] = prime_panel(mr, t[p]);
+        first[p] = MR;
+      }
+    }
     for (index_t j = 0; j < kb; j += MR) {
       const int mr = int(min_of<index_t>(MR, kb - j));
       prefetch_rows_l2(vblk + j * a.v_rs, a.v_rs, mr, a.Ev);  // this block's V, used next
       for (int p = 0; p < np; ++p) {
+        if (j < first[p]) continue;
         if (fused && fused[p])
           K::ukernel_exp2(mr, a.E, kblk + j * a.k_rs, a.k_rs, 1, t[p].qt, NR, t[p].st + j * NR, NR, t[p].sub,
                           t[p].xmax, t[p].csum);
@@ -134,6 +148,31 @@ struct Attention {
       const index_t qp = q0 + p * NR, qc = min_of<index_t>(NR, a.Lq - qp);
       for (index_t c = 0; c < qc; ++c) mask_row(bh, qp + c, k0, kb, t[p].st + c, NR);
     }
+  }
+
+  // A fresh panel's references from the first mr rows of its first unmasked block:
+  //   m = sub = colmax(st[0:mr]); st[0:mr] = exp2(st[0:mr] - m); csum = colsum; xmax = 0
+  // Only where every column's max is finite (no -inf/NaN scores); else the block stays raw for
+  // the two-pass update. A later key that beats m by the slack sends the block there too.
+  static bool prime_panel(int mr, Tile& t) {
+    T* cm = t.xmax;
+    for (int c = 0; c < NR; ++c) cm[c] = -kInf;
+    for (int j = 0; j < mr; ++j) {
+      const T* s = t.st + j * NR;
+#pragma omp simd
+      for (int c = 0; c < NR; ++c) cm[c] = s[c] > cm[c] ? s[c] : cm[c];
+    }
+    bool finite = true;
+    for (int c = 0; c < NR; ++c) finite &= cm[c] > -kInf && cm[c] < kInf;
+    if (!finite) return false;
+    for (int c = 0; c < NR; ++c) {
+      t.m[c] = t.sub[c] = cm[c];
+      t.xmax[c] = T(0);
+      t.csum[c] = T(0);
+    }
+    t.ready = true;
+    for (int j = 0; j < mr; ++j) K::exp2_sub_cols(t.st + j * NR, t.sub, t.csum, NR);
+    return true;
   }
 
   // Two-pass block update, for masked blocks and panels whose references are not all set:
@@ -179,7 +218,7 @@ struct Attention {
     bool over = false;
     for (int c = 0; c < NR; ++c) over |= t.xmax[c] > kSlack;
     if (over) {
-      scores(bh, qp, k0, kb, &t, 1, nullptr);
+      scores(bh, qp, k0, kb, &t, 1, nullptr, false);
       online_softmax(kb, t);
       return;
     }
@@ -213,6 +252,7 @@ struct Attention {
         t[p].l[c] = T(0);
       }
       t[p].ready = false;
+      t[p].fresh = true;
       for (index_t x = 0; x < a.Ev * NR; ++x) t[p].acc[x] = T(0);
     }
     // Causal: panels before p0 see no key from k0 on and are left out; a block is cut where the
@@ -228,12 +268,13 @@ struct Attention {
       const bool plain = unmasked(qa, k0, kb);
       bool fused[K::NP];
       for (int p = 0; p < na; ++p) fused[p] = plain && ta[p].ready;
-      scores(bh, qa, k0, kb, ta, na, fused);
+      scores(bh, qa, k0, kb, ta, na, fused, plain);
       for (int p = 0; p < na; ++p) {
         if (fused[p])
           finish_fused(bh, qa + p * NR, k0, kb, ta[p]);
         else
           online_softmax(kb, ta[p]);
+        ta[p].fresh = false;
       }
       accumulate(bh, k0, kb, ta, na, kend);
     }
@@ -266,7 +307,7 @@ struct Attention {
     T* w = W + a.woff[bh] + q0 * a.w_rs;
     for (index_t k0 = 0; k0 < kend; k0 += BK) {
       const index_t kb = min_of<index_t>(BK, kend - k0);
-      scores(bh, q0, k0, kb, &t, 1, nullptr);
+      scores(bh, q0, k0, kb, &t, 1, nullptr, false);
       for (index_t j = 0; j < kb; ++j) K::exp2_sub_cols(t.st + j * NR, t.sub, t.alpha, NR);
       for (index_t c = 0; c < qc; ++c) {
         T* wr = w + c * a.w_rs + k0;
