@@ -57,10 +57,12 @@ struct Attention {
 
   // m: per-query reference (-inf until a key was visible); sub: m, or 0 where m = -inf, the
   // exponent offset; ready: every m is finite, so unmasked blocks may take the fused path;
-  // fresh: no key block has been taken in yet (l and acc are 0).
+  // fresh: no key block has been taken in yet (l and acc are 0); nr: the panel's real queries
+  // (the kernels compute only the vectors that hold them; the rest of st holds finite filler).
   struct Tile {
     T *qt, *st, *acc, *m, *l, *sub, *alpha, *csum, *xmax;
     bool ready, fresh;
+    int nr;
   };
 
   static std::size_t tile_scratch(index_t E, index_t Ev) {
@@ -80,6 +82,7 @@ struct Attention {
     t.xmax = t.csum + NR;
     t.ready = false;
     t.fresh = true;
+    t.nr = NR;
     return t;
   }
 
@@ -126,7 +129,7 @@ struct Attention {
         }
       if (prime && fused && !fused[p] && t[p].fresh) {
         const int mr = int(min_of<index_t>(MR, kb));
-        K::ukernel(mr, a.E, kblk, a.k_rs, 1, t[p].qt, NR, t[p].st, NR, NR, false);
+        K::ukernel(mr, a.E, kblk, a.k_rs, 1, t[p].qt, NR, t[p].st, NR, t[p].nr, false);
         fused[p] = prime_panel(mr, t[p]);
         first[p] = MR;
       }
@@ -137,10 +140,10 @@ struct Attention {
       for (int p = 0; p < np; ++p) {
         if (j < first[p]) continue;
         if (fused && fused[p])
-          K::ukernel_exp2(mr, a.E, kblk + j * a.k_rs, a.k_rs, 1, t[p].qt, NR, t[p].st + j * NR, NR, t[p].sub,
-                          t[p].xmax, t[p].csum);
+          K::ukernel_exp2(mr, a.E, kblk + j * a.k_rs, a.k_rs, 1, t[p].qt, NR, t[p].st + j * NR, NR, t[p].nr,
+                          t[p].sub, t[p].xmax, t[p].csum);
         else
-          K::ukernel(mr, a.E, kblk + j * a.k_rs, a.k_rs, 1, t[p].qt, NR, t[p].st + j * NR, NR, NR, false);
+          K::ukernel(mr, a.E, kblk + j * a.k_rs, a.k_rs, 1, t[p].qt, NR, t[p].st + j * NR, NR, t[p].nr, false);
       }
     }
     if (unmasked(q0, k0, kb)) return;
@@ -236,7 +239,7 @@ struct Attention {
       const int mr = int(min_of<index_t>(MR, a.Ev - d));
       if (r < nnext) prefetch_rows_l2(knext + r * a.k_rs, a.k_rs, min_of<index_t>(per, nnext - r), a.E);
       for (int p = 0; p < np; ++p)
-        K::ukernel(mr, kb, vblk + d, 1, a.v_rs, t[p].st, NR, t[p].acc + d * NR, NR, NR, true);
+        K::ukernel(mr, kb, vblk + d, 1, a.v_rs, t[p].st, NR, t[p].acc + d * NR, NR, t[p].nr, true);
     }
   }
 
@@ -245,8 +248,14 @@ struct Attention {
     np = int(min_of<index_t>(np, ceil_div(a.Lq - q0, NR)));
     const index_t kend = key_end(min_of<index_t>(a.Lq, q0 + np * NR) - 1);
     for (int p = 0; p < np; ++p) {
-      const index_t qp = q0 + p * NR;
-      pack_qt(Q + a.qoff[bh] + qp * a.q_rs, min_of<index_t>(NR, a.Lq - qp), t[p].qt);
+      const index_t qp = q0 + p * NR, qc = min_of<index_t>(NR, a.Lq - qp);
+      pack_qt(Q + a.qoff[bh] + qp * a.q_rs, qc, t[p].qt);
+      // A short panel: the kernels skip its unused vectors, so give those columns of st a
+      // finite filler once (the column statistics run over all NR columns).
+      t[p].nr = int(qc);
+      if (qc < NR)
+        for (index_t j = 0; j < BK; ++j)
+          for (index_t c = qc; c < NR; ++c) t[p].st[j * NR + c] = T(0);
       for (int c = 0; c < NR; ++c) {
         t[p].m[c] = -kInf;
         t[p].l[c] = T(0);

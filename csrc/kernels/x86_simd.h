@@ -62,14 +62,30 @@ static inline void with_rows(int mr, F&& f) {
   f(std::integral_constant<int, 1>{});
 }
 
-// C[mr x nr] (+)= A[mr x k] B[k x NV*L]; only the first nr columns of C are loaded and stored.
-template <class Ops, int NV, int MR>
+// Calls f(std::integral_constant<int, N>) for N = ceil(nr / L) vectors (1..NV): a tile whose
+// last columns are padding (a short query panel, an edge of C) computes only the vectors it uses.
+template <int NV, int L, class F>
+static inline void with_vectors(int nr, F&& f) {
+  static_assert(NV >= 1 && NV <= 3, "register tiles have 1 to 3 vectors");
+  const int nv = (nr + L - 1) / L;
+  if constexpr (NV >= 3)
+    if (nv >= 3) return f(std::integral_constant<int, 3>{});
+  if constexpr (NV >= 2)
+    if (nv == 2) return f(std::integral_constant<int, 2>{});
+  f(std::integral_constant<int, 1>{});
+}
+
+// C[mr x nr] (+)= A[mr x k] B[k x nr]: the ceil(nr / L) vectors that hold the first nr columns
+// are computed, only the first nr columns of C are loaded and stored.
+template <class Ops, int NVMAX, int MR>
 static inline void gemm_ukernel(int mr, index_t k, const typename Ops::T* a, index_t rsa, index_t csa,
                                 const typename Ops::T* b, index_t ldb, typename Ops::T* c, index_t ldc, int nr,
                                 bool accumulate) {
   using T = typename Ops::T;
   using V = typename Ops::V;
   constexpr int L = Ops::L;
+  with_vectors<NVMAX, L>(nr, [&](auto vecs) {
+  constexpr int NV = decltype(vecs)::value;
   with_rows<MR>(mr, [&](auto rows) {
     constexpr int M = decltype(rows)::value;
     gemm_regtile<Ops, NV, M>(k, a, rsa, csa, b, ldb, [&](V (&acc)[M][NV]) {
@@ -96,18 +112,22 @@ static inline void gemm_ukernel(int mr, index_t k, const typename Ops::T* a, ind
       }
     });
   });
+  });
 }
 
-// The attention scores with the softmax numerator fused into the store, all NV*L columns:
+// The attention scores with the softmax numerator fused into the store, on the ceil(nr / L)
+// vectors that hold the first nr columns (whole vectors are stored):
 //   x = A B - sub (per column); xmax = max(xmax, colmax(x)); C = exp2(x); csum += colsum(C)
 // so the score tile goes from registers to memory once, already exponentiated.
-template <class Ops, int NV, int MR>
+template <class Ops, int NVMAX, int MR>
 static inline void gemm_ukernel_exp2(int mr, index_t k, const typename Ops::T* a, index_t rsa, index_t csa,
-                                     const typename Ops::T* b, index_t ldb, typename Ops::T* c, index_t ldc,
+                                     const typename Ops::T* b, index_t ldb, typename Ops::T* c, index_t ldc, int nr,
                                      const typename Ops::T* sub, typename Ops::T* xmax, typename Ops::T* csum) {
   using T = typename Ops::T;
   using V = typename Ops::V;
   constexpr int L = Ops::L;
+  with_vectors<NVMAX, L>(nr, [&](auto vecs) {
+  constexpr int NV = decltype(vecs)::value;
   with_rows<MR>(mr, [&](auto rows) {
     constexpr int M = decltype(rows)::value;
     gemm_regtile<Ops, NV, M>(k, a, rsa, csa, b, ldb, [&](V (&acc)[M][NV]) {
@@ -136,6 +156,7 @@ static inline void gemm_ukernel_exp2(int mr, index_t k, const typename Ops::T* a
         Ops::store(csum + v * L, sm[v]);
       }
     });
+  });
   });
 }
 

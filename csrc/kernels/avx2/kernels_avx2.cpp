@@ -108,8 +108,8 @@ struct sgemm_ukernel_6x16_avx2 : VecKernels<OpsF32> {
     gemm_ukernel<OpsF32, 2, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, acc);
   }
   static void ukernel_exp2(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
-                           index_t ldc, const T* sub, T* xmax, T* csum) {
-    gemm_ukernel_exp2<OpsF32, 2, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, sub, xmax, csum);
+                           index_t ldc, int nr, const T* sub, T* xmax, T* csum) {
+    gemm_ukernel_exp2<OpsF32, 2, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, sub, xmax, csum);
   }
   //   dst[c*drs + r] = src[r*srs + c], in 8 x 8 register blocks
   static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
@@ -124,8 +124,8 @@ struct dgemm_ukernel_6x8_avx2 : VecKernels<OpsF64> {
     gemm_ukernel<OpsF64, 2, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, acc);
   }
   static void ukernel_exp2(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
-                           index_t ldc, const T* sub, T* xmax, T* csum) {
-    gemm_ukernel_exp2<OpsF64, 2, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, sub, xmax, csum);
+                           index_t ldc, int nr, const T* sub, T* xmax, T* csum) {
+    gemm_ukernel_exp2<OpsF64, 2, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, sub, xmax, csum);
   }
   static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
     transpose_ref<T>(src, srs, rows, cols, dst, drs);

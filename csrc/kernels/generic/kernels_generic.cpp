@@ -84,9 +84,9 @@ struct sgemm_ukernel_4x16_generic : GenericKernels<float> {
     gemm_ukernel_ref<T, MR, NR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, accumulate);
   }
   static void ukernel_exp2(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
-                           index_t ldc, const T* sub, T* xmax, T* csum) {
-    gemm_ukernel_ref<T, MR, NR>(mr, k, a, rsa, csa, b, ldb, c, ldc, NR, false);
-    exp2_tile(mr, NR, c, ldc, sub, xmax, csum);
+                           index_t ldc, int nr, const T* sub, T* xmax, T* csum) {
+    gemm_ukernel_ref<T, MR, NR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, false);
+    exp2_tile(mr, nr, c, ldc, sub, xmax, csum);
   }
 };
 struct dgemm_ukernel_4x8_generic : GenericKernels<double> {
@@ -101,9 +101,9 @@ struct dgemm_ukernel_4x8_generic : GenericKernels<double> {
     gemm_ukernel_ref<T, MR, NR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, accumulate);
   }
   static void ukernel_exp2(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
-                           index_t ldc, const T* sub, T* xmax, T* csum) {
-    gemm_ukernel_ref<T, MR, NR>(mr, k, a, rsa, csa, b, ldb, c, ldc, NR, false);
-    exp2_tile(mr, NR, c, ldc, sub, xmax, csum);
+                           index_t ldc, int nr, const T* sub, T* xmax, T* csum) {
+    gemm_ukernel_ref<T, MR, NR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, false);
+    exp2_tile(mr, nr, c, ldc, sub, xmax, csum);
   }
 };
 
