@@ -105,6 +105,20 @@ def measure_read_gbs(threads: int, mib: int = 512, reps: int = 5) -> float:
     return best
 
 
+_START_PEAKS: dict = {}
+
+
+def pytest_sessionstart(session):
+    """Measure the peaks once before the benchmarks too (see pytest_benchmark_update_machine_info)."""
+    config = session.config
+    if config.getoption("benchmark_disable", False) or not config.pluginmanager.hasplugin("benchmark"):
+        return
+    import pyattn
+
+    _START_PEAKS["sgemm"] = measure_sgemm_gflops()
+    _START_PEAKS["read"] = measure_read_gbs(int(pyattn.get_num_threads()))
+
+
 def pytest_report_header(config):
     lines = []
     blas = openblas_info()
@@ -136,7 +150,10 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info["blas"] = openblas_info()
     machine_info["openblas_env"] = {v: os.environ.get(v) for v in OPENBLAS_VARS}
     machine_info["peers"] = versions()
-    machine_info["sgemm_peak_gflops"] = measure_sgemm_gflops()
-    machine_info["read_gbs"] = measure_read_gbs(int(pyattn.get_num_threads()))
+    # Best of the session's start and end: a peak measured in one slow minute of this shared
+    # machine would make every "% of peak" read high.
+    start = _START_PEAKS or {}
+    machine_info["sgemm_peak_gflops"] = max(measure_sgemm_gflops(), start.get("sgemm", 0.0))
+    machine_info["read_gbs"] = max(measure_read_gbs(int(pyattn.get_num_threads())), start.get("read", 0.0))
     if hasattr(os, "getloadavg"):
         machine_info["loadavg_end"] = os.getloadavg()

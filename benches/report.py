@@ -73,11 +73,12 @@ def header(data: dict) -> list:
     peers = mi.get("peers", {})
     lines.append("- peers: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in peers.items()))
     peak = mi.get("sgemm_peak_gflops")
-    lines.append(f"- sgemm peak (NumPy float32 2048^3, best of 7, in the benchmark process): "
+    lines.append(f"- sgemm peak (NumPy float32 2048^3, best of 7 at the start and at the end, in the "
+                 f"benchmark process): "
                  f"{_fmt(peak, '.0f')} GFLOP/s")
     bw = mi.get("read_gbs")
     lines.append(f"- memory read bandwidth (NumPy sums of a 512 MiB array in "
-                 f"{pa.get('num_threads')} threads, best of 5, in the benchmark process): "
+                 f"{pa.get('num_threads')} threads, best of 5 at the start and at the end): "
                  f"{_fmt(bw, '.1f')} GB/s")
     load = mi.get("loadavg_end")
     if load:
