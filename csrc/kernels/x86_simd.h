@@ -75,6 +75,23 @@ static inline void with_vectors(int nr, F&& f) {
   f(std::integral_constant<int, 1>{});
 }
 
+// The register tile of mr rows and ceil(nr / L) vectors (each shape its own instance) over k,
+// its accumulators handed to epi(acc), a generic lambda that reads M and NV off acc's type.
+template <class Ops, int NVMAX, int MR, class Epi>
+static inline void run_tile(int mr, int nr, index_t k, const typename Ops::T* a, index_t rsa, index_t csa,
+                            const typename Ops::T* b, index_t ldb, Epi&& epi) {
+  with_vectors<NVMAX, Ops::L>(nr, [&](auto vecs) {
+    with_rows<MR>(mr, [&](auto rows) {
+      gemm_regtile<Ops, decltype(vecs)::value, decltype(rows)::value>(k, a, rsa, csa, b, ldb, epi);
+    });
+  });
+}
+
+template <class Acc>
+constexpr int tile_rows = int(std::extent<std::remove_reference_t<Acc>, 0>::value);
+template <class Acc>
+constexpr int tile_vectors = int(std::extent<std::remove_reference_t<Acc>, 1>::value);
+
 // C[mr x nr] (+)= A[mr x k] B[k x nr]: the ceil(nr / L) vectors that hold the first nr columns
 // are computed, only the first nr columns of C are loaded and stored.
 template <class Ops, int NVMAX, int MR>
@@ -82,36 +99,30 @@ static inline void gemm_ukernel(int mr, index_t k, const typename Ops::T* a, ind
                                 const typename Ops::T* b, index_t ldb, typename Ops::T* c, index_t ldc, int nr,
                                 bool accumulate) {
   using T = typename Ops::T;
-  using V = typename Ops::V;
   constexpr int L = Ops::L;
-  with_vectors<NVMAX, L>(nr, [&](auto vecs) {
-  constexpr int NV = decltype(vecs)::value;
-  with_rows<MR>(mr, [&](auto rows) {
-    constexpr int M = decltype(rows)::value;
-    gemm_regtile<Ops, NV, M>(k, a, rsa, csa, b, ldb, [&](V (&acc)[M][NV]) {
-      if (nr == NV * L) {
-#pragma GCC unroll 8
-        for (int r = 0; r < M; ++r) {
-          T* cr = c + r * ldc;
-#pragma GCC unroll 4
-          for (int v = 0; v < NV; ++v)
-            Ops::store(cr + v * L, accumulate ? Ops::add(acc[r][v], Ops::load(cr + v * L)) : acc[r][v]);
-        }
-        return;
-      }
-      typename Ops::Mask m[NV];
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) m[v] = Ops::mask(nr - v * L);
+  run_tile<Ops, NVMAX, MR>(mr, nr, k, a, rsa, csa, b, ldb, [&](auto& acc) {
+    constexpr int M = tile_rows<decltype(acc)>, NV = tile_vectors<decltype(acc)>;
+    if (nr == NV * L) {
 #pragma GCC unroll 8
       for (int r = 0; r < M; ++r) {
         T* cr = c + r * ldc;
 #pragma GCC unroll 4
         for (int v = 0; v < NV; ++v)
-          Ops::maskstore(m[v], cr + v * L,
-                         accumulate ? Ops::add(acc[r][v], Ops::maskload(m[v], cr + v * L)) : acc[r][v]);
+          Ops::store(cr + v * L, accumulate ? Ops::add(acc[r][v], Ops::load(cr + v * L)) : acc[r][v]);
       }
-    });
-  });
+      return;
+    }
+    typename Ops::Mask m[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) m[v] = Ops::mask(nr - v * L);
+#pragma GCC unroll 8
+    for (int r = 0; r < M; ++r) {
+      T* cr = c + r * ldc;
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v)
+        Ops::maskstore(m[v], cr + v * L,
+                       accumulate ? Ops::add(acc[r][v], Ops::maskload(m[v], cr + v * L)) : acc[r][v]);
+    }
   });
 }
 
@@ -126,37 +137,32 @@ static inline void gemm_ukernel_exp2(int mr, index_t k, const typename Ops::T* a
   using T = typename Ops::T;
   using V = typename Ops::V;
   constexpr int L = Ops::L;
-  with_vectors<NVMAX, L>(nr, [&](auto vecs) {
-  constexpr int NV = decltype(vecs)::value;
-  with_rows<MR>(mr, [&](auto rows) {
-    constexpr int M = decltype(rows)::value;
-    gemm_regtile<Ops, NV, M>(k, a, rsa, csa, b, ldb, [&](V (&acc)[M][NV]) {
-      V sv[NV], mx[NV], sm[NV];
+  run_tile<Ops, NVMAX, MR>(mr, nr, k, a, rsa, csa, b, ldb, [&](auto& acc) {
+    constexpr int M = tile_rows<decltype(acc)>, NV = tile_vectors<decltype(acc)>;
+    V sv[NV], mx[NV], sm[NV];
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) {
-        sv[v] = Ops::load(sub + v * L);
-        mx[v] = Ops::load(xmax + v * L);
-        sm[v] = Ops::load(csum + v * L);
-      }
+    for (int v = 0; v < NV; ++v) {
+      sv[v] = Ops::load(sub + v * L);
+      mx[v] = Ops::load(xmax + v * L);
+      sm[v] = Ops::load(csum + v * L);
+    }
 #pragma GCC unroll 8
-      for (int r = 0; r < M; ++r) {
-        T* cr = c + r * ldc;
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) {
-          const V x = Ops::sub(acc[r][v], sv[v]);
-          mx[v] = Ops::max(mx[v], x);
-          const V e = Ops::exp2(x);
-          sm[v] = Ops::add(sm[v], e);
-          Ops::store(cr + v * L, e);
-        }
-      }
+    for (int r = 0; r < M; ++r) {
+      T* cr = c + r * ldc;
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) {
-        Ops::store(xmax + v * L, mx[v]);
-        Ops::store(csum + v * L, sm[v]);
+        const V x = Ops::sub(acc[r][v], sv[v]);
+        mx[v] = Ops::max(mx[v], x);
+        const V e = Ops::exp2(x);
+        sm[v] = Ops::add(sm[v], e);
+        Ops::store(cr + v * L, e);
       }
-    });
-  });
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      Ops::store(xmax + v * L, mx[v]);
+      Ops::store(csum + v * L, sm[v]);
+    }
   });
 }
 
