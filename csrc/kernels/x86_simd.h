@@ -321,3 +321,19 @@ struct VecKernels {
     }
   }
 };
+
+// What an ISA's kernel traits take from one register-tile shape (MR rows of A broadcast, NV
+// vectors of B): the GEMM micro-kernel, its fused-exp2 variant for attention, the row kernels.
+template <class Ops, int MR_, int NV>
+struct RegTileKernels : VecKernels<Ops> {
+  using T = typename Ops::T;
+  static constexpr int MR = MR_, NR = NV * Ops::L;
+  static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
+                      index_t ldc, int nr, bool acc) {
+    gemm_ukernel<Ops, NV, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, acc);
+  }
+  static void ukernel_exp2(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
+                           index_t ldc, int nr, const T* sub, T* xmax, T* csum) {
+    gemm_ukernel_exp2<Ops, NV, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, sub, xmax, csum);
+  }
+};

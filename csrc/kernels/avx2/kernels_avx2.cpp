@@ -100,33 +100,17 @@ struct OpsF64 {
 // broadcast, 15 of the 16 ymm registers.
 // Block sizes: a 6 x KC A micro-panel (6 KiB) in L1, a KC x NC packed B block (512 KiB) in L2;
 // NP = 4 panels of 16 queries per attention task share each K/V row read.
-struct sgemm_ukernel_6x16_avx2 : VecKernels<OpsF32> {
-  static constexpr int MR = 6, NR = 16, NP = 4;
+struct sgemm_ukernel_6x16_avx2 : RegTileKernels<OpsF32, 6, 2> {
+  static constexpr int NP = 4;
   static constexpr index_t MC = 120, KC = 256, NC = 512, BK = 256;
-  static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
-                      index_t ldc, int nr, bool acc) {
-    gemm_ukernel<OpsF32, 2, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, acc);
-  }
-  static void ukernel_exp2(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
-                           index_t ldc, int nr, const T* sub, T* xmax, T* csum) {
-    gemm_ukernel_exp2<OpsF32, 2, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, sub, xmax, csum);
-  }
   //   dst[c*drs + r] = src[r*srs + c], in 8 x 8 register blocks
   static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
     transpose_ps(src, srs, rows, cols, dst, drs);
   }
 };
-struct dgemm_ukernel_6x8_avx2 : VecKernels<OpsF64> {
-  static constexpr int MR = 6, NR = 8, NP = 4;
+struct dgemm_ukernel_6x8_avx2 : RegTileKernels<OpsF64, 6, 2> {
+  static constexpr int NP = 4;
   static constexpr index_t MC = 120, KC = 256, NC = 256, BK = 128;
-  static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
-                      index_t ldc, int nr, bool acc) {
-    gemm_ukernel<OpsF64, 2, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, acc);
-  }
-  static void ukernel_exp2(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
-                           index_t ldc, int nr, const T* sub, T* xmax, T* csum) {
-    gemm_ukernel_exp2<OpsF64, 2, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, sub, xmax, csum);
-  }
   static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
     transpose_ref<T>(src, srs, rows, cols, dst, drs);
   }

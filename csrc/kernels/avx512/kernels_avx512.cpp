@@ -109,33 +109,17 @@ struct OpsF64 {
 // Flat within the noise on one core; on two, panels sharing each K/V row matter (NP1 is 5-10%
 // behind) while NP3 was +1-3% over NP2 in a second run (L512, L128, causal alike). NP2 BK128
 // is kept: half the scratch of NP3 and finer tasks for the causal schedule.
-struct sgemm_ukernel_8x48_avx512 : VecKernels<OpsF32> {
-  static constexpr int MR = 8, NR = 48, NP = 2;
+struct sgemm_ukernel_8x48_avx512 : RegTileKernels<OpsF32, 8, 3> {
+  static constexpr int NP = 2;
   static constexpr index_t MC = 240, KC = 256, NC = 480, BK = 128;
-  static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
-                      index_t ldc, int nr, bool acc) {
-    gemm_ukernel<OpsF32, 3, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, acc);
-  }
-  static void ukernel_exp2(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
-                           index_t ldc, int nr, const T* sub, T* xmax, T* csum) {
-    gemm_ukernel_exp2<OpsF32, 3, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, sub, xmax, csum);
-  }
   //   dst[c*drs + r] = src[r*srs + c], in 8 x 8 register blocks
   static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
     transpose_ps(src, srs, rows, cols, dst, drs);
   }
 };
-struct dgemm_ukernel_8x24_avx512 : VecKernels<OpsF64> {
-  static constexpr int MR = 8, NR = 24, NP = 2;
+struct dgemm_ukernel_8x24_avx512 : RegTileKernels<OpsF64, 8, 3> {
+  static constexpr int NP = 2;
   static constexpr index_t MC = 120, KC = 256, NC = 240, BK = 128;
-  static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
-                      index_t ldc, int nr, bool acc) {
-    gemm_ukernel<OpsF64, 3, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, acc);
-  }
-  static void ukernel_exp2(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
-                           index_t ldc, int nr, const T* sub, T* xmax, T* csum) {
-    gemm_ukernel_exp2<OpsF64, 3, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, sub, xmax, csum);
-  }
   static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
     transpose_ref<T>(src, srs, rows, cols, dst, drs);
   }
