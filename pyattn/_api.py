@@ -21,6 +21,7 @@ from ._validate import (
     F64,
     broadcast_lead,
     cast,
+    broadcast,
     check_out,
     compute_dtype,
     elem_strides,
@@ -147,7 +148,7 @@ def scaled_dot_product_attention(
         m = strided_ok(m)
 
     nlead = len(lead)
-    bh = int(np.prod(lead, dtype=np.int64))
+    bh = math.prod(lead)
     result = out if out is not None else np.empty(out_shape, dtype)
     weights = np.zeros(lead + (Lq, Lk), dtype) if return_weights else None
     lse = np.empty(lead + (Lq,), dtype) if return_lse else None
@@ -161,13 +162,11 @@ def scaled_dot_product_attention(
             target = result
             if result.strides[-1] != result.itemsize or not writable_in_place(result) or overlaps(result, q, k, v, m):
                 target = np.empty(out_shape, dtype)
-            qb = unit_last(np.broadcast_to(cast(q, dtype), lead + (Lq, E)))
-            kb = unit_last(np.broadcast_to(cast(k, dtype), kv_lead + (Lk, E)))
-            vb = unit_last(np.broadcast_to(cast(v, dtype), kv_lead + (Lk, Ev)))
-            koff, voff = lead_offsets(kb, nlead), lead_offsets(vb, nlead)
-            if group > 1:
-                koff = np.repeat(koff.reshape(-1, kb.shape[nlead - 1]), group, axis=1).reshape(-1)
-                voff = np.repeat(voff.reshape(-1, vb.shape[nlead - 1]), group, axis=1).reshape(-1)
+            qb = unit_last(broadcast(cast(q, dtype), lead + (Lq, E)))
+            kb = unit_last(broadcast(cast(k, dtype), kv_lead + (Lk, E)))
+            vb = unit_last(broadcast(cast(v, dtype), kv_lead + (Lk, Ev)))
+            # query head h reads kv head h // group: each kv offset repeated group times
+            koff, voff = lead_offsets(kb, nlead, group), lead_offsets(vb, nlead, group)
             ms = elem_strides(m)[-2:] if m is not None else (0, 0)
             _core.attention(
                 qb, kb, vb, target, bh, Lq, Lk, E, Ev, group,
@@ -219,7 +218,7 @@ def softmax(x, axis=-1, *, scale=None, mask=None, out=None):
     xs = strided_ok(np.moveaxis(cast(a, dtype), ax, -1))
     ts = np.moveaxis(target, ax, -1)
     nl = a.ndim - 1
-    rows = int(np.prod(xs.shape[:-1], dtype=np.int64))
+    rows = math.prod(xs.shape[:-1])
     _core.softmax(
         xs, ts, rows, xs.shape[-1],
         lead_offsets(xs, nl), elem_strides(xs)[-1],
@@ -288,7 +287,7 @@ def matmul(a, b, *, out=None):
     xa = strided_ok(np.broadcast_to(cast(xa, dtype), batch + (m, k)))
     yb = strided_ok(np.broadcast_to(cast(yb, dtype), batch + (k, n)))
     nl = len(batch)
-    nb = int(np.prod(batch, dtype=np.int64))
+    nb = math.prod(batch)
     sa, sb, sc = elem_strides(xa), elem_strides(yb), elem_strides(c)
     _core.gemm(
         xa, yb, c, m, n, k, sa[-2], sa[-1], sb[-2], sb[-1], sc[-2], sc[-1], nb,

@@ -6,6 +6,8 @@ broadcast axes read at stride 0 and never materialised.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 F32 = np.dtype(np.float32)
@@ -60,12 +62,30 @@ def unit_last(a: np.ndarray) -> np.ndarray:
     return strided_ok(a)
 
 
-def lead_offsets(a: np.ndarray, nlead: int) -> np.ndarray:
-    """Element offset of every matrix over the first ``nlead`` axes, in C order (int64)."""
+def lead_offsets(a: np.ndarray, nlead: int, repeat: int = 1) -> np.ndarray:
+    """Element offset of every matrix over the first ``nlead`` axes, in C order (int64, read-only),
+    each repeated ``repeat`` times in place along the last of those axes (grouped-query heads)."""
+    isz = a.itemsize
+    return _offsets(a.shape[:nlead], tuple(s // isz for s in a.strides[:nlead]), repeat)
+
+
+@functools.lru_cache(maxsize=256)
+def _offsets(shape: tuple, strides: tuple, repeat: int) -> np.ndarray:
+    # Cached: a model calls attention with the same few layouts over and over, and building
+    # these took a third of the ~80 us a small call spent in Python.
     off = np.zeros((), np.int64)
-    for n, s in zip(a.shape[:nlead], a.strides[:nlead]):
-        off = off[..., None] + np.arange(n, dtype=np.int64) * (s // a.itemsize)
-    return np.ascontiguousarray(off.reshape(-1))
+    for n, s in zip(shape, strides):
+        off = off[..., None] + np.arange(n, dtype=np.int64) * s
+    if repeat > 1:
+        off = np.repeat(off, repeat, axis=-1)
+    off = np.ascontiguousarray(off.reshape(-1))
+    off.flags.writeable = False
+    return off
+
+
+def broadcast(a: np.ndarray, shape: tuple) -> np.ndarray:
+    """``np.broadcast_to`` that returns ``a`` itself when it already has the shape."""
+    return a if a.shape == shape else np.broadcast_to(a, shape)
 
 
 def broadcast_lead(shapes, names, what: str) -> tuple:
