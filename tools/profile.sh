@@ -11,22 +11,9 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 work=${PYATTN_PROFILE_DIR:-/tmp/pyattn-profile}
 B=${1:-1} H=${2:-8} LQ=${3:-2048} LK=${4:-2048} E=${5:-64} CAUSAL=${6:-0} THREADS=${7:-2} SECS=${8:-4}
-rm -rf "$work/pkg"
-mkdir -p "$work/build" "$work/pkg"
-cmake -S "$repo" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPYATTN_PROFILE=ON -DCMAKE_STRIP=/bin/true \
-  -DPython_EXECUTABLE="$(command -v python)" \
-  -Dpybind11_DIR="$(python -c 'import pybind11; print(pybind11.get_cmake_dir())')" >/dev/null
-cmake --build "$work/build" >/dev/null
-cp -r "$repo/pyattn" "$work/pkg/"
-cp "$work/build"/_core*.so "$work/pkg/pyattn/"
-# An editable install of pyattn redirects imports to its own build ahead of PYTHONPATH; drop
-# that redirection so this directory's pyattn, with the profiling core, is the one imported.
-cat > "$work/pkg/sitecustomize.py" <<'PY'
-import sys
-sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__]
-PY
-PYTHONPATH="$work/pkg" python -c "import pyattn._api as a, sys; f = a._core.__file__; \
-assert f.startswith('$work/pkg/'), f'imported {f}, not the profiling build'; print('core:', f)"
+. "$repo/tools/core_package.sh"
+build_core_package "$work" profiling -DCMAKE_BUILD_TYPE=Release -DPYATTN_PROFILE=ON -DCMAKE_STRIP=/bin/true
+check_core "$work" profiling
 cd "$work/pkg"
 cat > run.py <<PY
 import time, numpy as np, pyattn
