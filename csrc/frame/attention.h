@@ -153,18 +153,23 @@ struct Attention {
     }
   }
 
+  //   cm[c] = max over rows j < rows of st[j*NR + c] (-inf for no rows; NaN is skipped)
+  static void colmax(const T* st, index_t rows, T* cm) {
+    for (int c = 0; c < NR; ++c) cm[c] = -kInf;
+    for (index_t j = 0; j < rows; ++j) {
+      const T* s = st + j * NR;
+#pragma omp simd
+      for (int c = 0; c < NR; ++c) cm[c] = s[c] > cm[c] ? s[c] : cm[c];
+    }
+  }
+
   // A fresh panel's references from the first mr rows of its first unmasked block:
   //   m = sub = colmax(st[0:mr]); st[0:mr] = exp2(st[0:mr] - m); csum = colsum; xmax = 0
   // Only where every column's max is finite (no -inf/NaN scores); else the block stays raw for
   // the two-pass update. A later key that beats m by the slack sends the block there too.
   static bool prime_panel(int mr, Tile& t) {
     T* cm = t.xmax;
-    for (int c = 0; c < NR; ++c) cm[c] = -kInf;
-    for (int j = 0; j < mr; ++j) {
-      const T* s = t.st + j * NR;
-#pragma omp simd
-      for (int c = 0; c < NR; ++c) cm[c] = s[c] > cm[c] ? s[c] : cm[c];
-    }
+    colmax(t.st, mr, cm);
     bool finite = true;
     for (int c = 0; c < NR; ++c) finite &= cm[c] > -kInf && cm[c] < kInf;
     if (!finite) return false;
@@ -184,12 +189,7 @@ struct Attention {
   //   st = exp2(st - sub); l = alpha*l + colsum(st); acc^T *= alpha where m moved
   PYATTN_PHASE static void online_softmax(index_t kb, Tile& t) {
     T* cm = t.csum;  // reused: holds the column max until the column sums start
-    for (int c = 0; c < NR; ++c) cm[c] = -kInf;
-    for (index_t j = 0; j < kb; ++j) {
-      const T* s = t.st + j * NR;
-#pragma omp simd
-      for (int c = 0; c < NR; ++c) cm[c] = s[c] > cm[c] ? s[c] : cm[c];
-    }
+    colmax(t.st, kb, cm);
     bool moved = false, ready = true;
     for (int c = 0; c < NR; ++c) {
       T al = T(1);
