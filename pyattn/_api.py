@@ -140,7 +140,7 @@ def scaled_dot_product_attention(
     if attn_mask is not None:
         mask_kind, m = mask_array(attn_mask, "attn_mask", dtype)
         try:
-            m = np.broadcast_to(m, lead + (Lq, Lk))
+            m = broadcast(m, lead + (Lq, Lk))
         except ValueError:
             raise ValueError(
                 f"attn_mask has shape {np.shape(attn_mask)}; expected a shape broadcastable to {lead + (Lq, Lk)}"
@@ -206,7 +206,7 @@ def softmax(x, axis=-1, *, scale=None, mask=None, out=None):
     if mask is not None:
         mask_kind, m = mask_array(mask, "mask", dtype)
         try:
-            m = np.broadcast_to(m, a.shape)
+            m = broadcast(m, a.shape)
         except ValueError:
             raise ValueError(f"mask has shape {np.shape(mask)}; expected a shape broadcastable to {a.shape}") from None
         m = strided_ok(np.moveaxis(m, ax, -1))
@@ -284,8 +284,8 @@ def matmul(a, b, *, out=None):
         and not overlaps(out, x, y)
     )
     c = out if direct else np.empty(full, dtype)
-    xa = strided_ok(np.broadcast_to(cast(xa, dtype), batch + (m, k)))
-    yb = strided_ok(np.broadcast_to(cast(yb, dtype), batch + (k, n)))
+    xa = strided_ok(broadcast(cast(xa, dtype), batch + (m, k)))
+    yb = strided_ok(broadcast(cast(yb, dtype), batch + (k, n)))
     nl = len(batch)
     nb = math.prod(batch)
     sa, sb, sc = elem_strides(xa), elem_strides(yb), elem_strides(c)
