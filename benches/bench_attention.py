@@ -1,10 +1,11 @@
 """scaled_dot_product_attention, float32: pyattn beside the NumPy reference, torch and ONNX Runtime.
 
-One pytest-benchmark group per shape of perf.md.  Every item checks its output against a float64
-oracle (``pyattn.reference`` on float64 copies), computed once per shape outside the timing; on
-the long shapes only on a few heads and rows, so that the check stays cheap.  ``extra_info``
-carries the FLOPs (2*B*H*Lq*Lk*(E+Ev), halved for causal) and the bytes of q, k, v and the output,
-from which the report computes GFLOP/s and GB/s (the latter is what matters for decode).
+One pytest-benchmark group per shape of docs/performance.md. Every item checks its output against
+a float64 oracle (``pyattn.reference`` on float64 copies), computed once per shape outside the
+timing; on the long shapes only on a few heads and rows, so that the check stays cheap.
+``extra_info`` carries the FLOPs (2*B*H*Lq*Lk*(E+Ev), halved for causal) and the bytes of q, k, v
+and the output, from which the report computes GFLOP/s and GB/s (the latter is what matters for
+decode).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class Case:
         return 4 * self.batch * per
 
 
-# The perf.md shapes; ``smoke`` gives the small version used under --benchmark-disable (same
+# The full shapes; ``smoke`` gives the small version used under --benchmark-disable (same
 # features: batch, cross, causal, E != Ev, 5-D, decode, GQA; lengths that are not tile multiples).
 CASES = [
     Case((1,), 8, 2048, 2048, 64, smoke=dict(lq=200, lk=200)),

@@ -1,8 +1,8 @@
 """pyattn.matmul beside np.matmul (OpenBLAS), float32 and a few float64 shapes.
 
-perf.md's target: at least 85% of OpenBLAS's AVX-512 sgemm in the same run, so run these with
-``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE``.  The check compares with a float64 product on
-(at most) the first 256 rows, computed once per shape outside the timing.
+The target (docs/performance.md): at least 85% of OpenBLAS's AVX-512 sgemm in the same run, so run
+these with ``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE``. The check compares with a float64
+product on (at most) the first 256 rows, computed once per shape outside the timing.
 """
 
 from __future__ import annotations

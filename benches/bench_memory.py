@@ -1,8 +1,9 @@
 """Extra peak memory of one attention call, pyattn beside the NumPy reference and the peers.
 
-perf.md: pyattn's scratch is bounded by threads x tile size, independent of L (no L x L buffer
-unless the weights are asked for), where the reference materialises the Lq x Lk scores.  Peak
-RSS is per process, so each measurement runs in a fresh interpreter: make the inputs (and the
+The target (docs/performance.md): pyattn's scratch is bounded by threads x tile size,
+independent of L (no L x L buffer unless the weights are asked for), where the reference
+materialises the Lq x Lk scores.  Peak RSS is per process, so each measurement runs in a fresh
+interpreter: make the inputs (and the
 peer's session / transposed copies), warm up on a tiny problem, read the peak RSS, call once on
 the real shape, read it again (Linux: the peak is reset to the current RSS through
 /proc/self/clear_refs first, so it is the call's own peak).  ``extra_info["extra_peak_mib"]`` is the difference (the output

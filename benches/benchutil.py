@@ -19,7 +19,7 @@ def smoke_mode(config) -> bool:
     """Whether to use the small shape set.
 
     ``--bench-size=auto`` (the default) picks the small set under ``--benchmark-disable`` (every
-    benchmark then runs once, as a correctness smoke test) and the full perf.md shapes otherwise.
+    benchmark then runs once, as a correctness smoke test) and the full shapes otherwise.
     """
     size = config.getoption("bench_size", "auto")
     if size == "auto":

@@ -30,7 +30,7 @@ OPENBLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 def pytest_addoption(parser):
     parser.addoption(
         "--bench-size", choices=("auto", "full", "smoke"), default="auto",
-        help="benches: 'full' = the perf.md shapes, 'smoke' = small shapes; 'auto' (default) = "
+        help="benches: 'full' = the measured shapes, 'smoke' = small shapes; 'auto' (default) = "
              "smoke under --benchmark-disable, full otherwise.")
 
 
@@ -130,7 +130,7 @@ def pytest_report_header(config):
     if set_vars and not config.getoption("benchmark_disable", False):
         lines.append("benches: WARNING " + " ".join(set_vars) + " is set: NumPy's OpenBLAS uses "
                      "an old kernel; run with `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE` "
-                     "for a fair NumPy peer (perf.md)")
+                     "for a fair NumPy peer (docs/performance.md)")
     return lines
 
 

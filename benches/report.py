@@ -7,8 +7,9 @@
     python benches/report.py --json out.json      # only print the tables of an earlier run
 
 When it runs the benches it removes OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE from the benchmark
-process's environment (perf.md: the fair NumPy peer is OpenBLAS's AVX-512 kernel), unless
---keep-openblas-env is given, and runs pytest from an empty temporary directory so that the
+process's environment (the fair NumPy peer is OpenBLAS's AVX-512 kernel, see
+docs/performance.md), unless --keep-openblas-env is given, and runs pytest from an empty
+temporary directory so that the
 installed pyattn is imported (not the source tree).  Per group it prints the median time, GFLOP/s or GB/s, the ratio
 peer_time / pyattn_time for every implementation (> 1: pyattn is faster) and, for attention and
 matmul, the percentage of the NumPy float32 2048^3 sgemm rate measured in the benchmark process.
