@@ -5,7 +5,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "frame/api.h"
@@ -26,6 +29,64 @@ void* opt_mptr(const py::object& o) {
 const index_t* offs(const py::object& o) { return static_cast<const index_t*>(opt_cptr(o)); }
 int dt(const py::array& a) { return a.itemsize() == 4 ? 0 : 1; }
 
+// Debug and sanitizer builds (PYATTN_DEBUG_CHECKS) check every pointer, size and stride the
+// Python layer passes against the arrays they point into, so that a wrong argument is an
+// IndexError here rather than silent memory corruption in a kernel. Release builds trust the
+// Python layer, which is the one place that validates.
+#ifdef PYATTN_DEBUG_CHECKS
+constexpr bool kDebugChecks = true;
+#define PYATTN_DEBUG_CHECK(cond, what) \
+  do {                                 \
+    if (!(cond)) throw std::out_of_range(std::string("pyattn._core: ") + (what)); \
+  } while (0)
+
+// Element offsets [lo, hi] (from data()) that the view `a` itself spans.
+std::pair<index_t, index_t> view_span(const py::array& a) {
+  index_t lo = 0, hi = 0;
+  for (py::ssize_t d = 0; d < a.ndim(); ++d) {
+    if (a.shape(d) == 0) return {0, -1};
+    const index_t reach = (index_t(a.shape(d)) - 1) * (index_t(a.strides(d)) / index_t(a.itemsize()));
+    (reach < 0 ? lo : hi) += reach;
+  }
+  return {lo, hi};
+}
+
+// Every one of `count` matrices (rows x cols at strides rs, cs, starting at off[i], or 0 when
+// off is None) lies inside the view of `arr`; `off` has at least `count` entries.
+void check_matrices(const char* name, const py::object& arr, const py::object& off, index_t count, index_t rows,
+                    index_t rs, index_t cols, index_t cs) {
+  if (arr.is_none()) return;
+  if (count == 0 || rows == 0 || cols == 0) return;
+  const py::array a = py::cast<py::array>(arr);
+  const auto span = view_span(a);
+  const index_t* o = nullptr;
+  if (!off.is_none()) {
+    const py::array oa = py::cast<py::array>(off);
+    PYATTN_DEBUG_CHECK(oa.itemsize() == sizeof(index_t) && oa.ndim() == 1 && oa.strides(0) == sizeof(index_t),
+                       std::string(name) + ": offsets must be a contiguous int64 vector");
+    PYATTN_DEBUG_CHECK(index_t(oa.shape(0)) >= count, std::string(name) + ": fewer offsets than matrices");
+    o = static_cast<const index_t*>(oa.data());
+  }
+  const index_t r_lo = std::min<index_t>(0, (rows - 1) * rs), r_hi = std::max<index_t>(0, (rows - 1) * rs);
+  const index_t c_lo = std::min<index_t>(0, (cols - 1) * cs), c_hi = std::max<index_t>(0, (cols - 1) * cs);
+  for (index_t i = 0; i < count; ++i) {
+    const index_t base = o ? o[i] : 0;
+    PYATTN_DEBUG_CHECK(base + r_lo + c_lo >= span.first && base + r_hi + c_hi <= span.second,
+                       std::string(name) + ": matrix " + std::to_string(i) + " reaches outside its array");
+  }
+}
+
+void check_same_dtype(const py::array& ref, std::initializer_list<std::pair<const char*, const py::object*>> arrs) {
+  for (const auto& na : arrs) {
+    if (na.second->is_none()) continue;
+    PYATTN_DEBUG_CHECK(py::cast<py::array>(*na.second).dtype().is(ref.dtype()),
+                       std::string(na.first) + ": dtype differs from the output's");
+  }
+}
+#else
+constexpr bool kDebugChecks = false;
+#endif
+
 std::string compiler() {
 #if defined(__clang__)
   return std::string("clang ") + __clang_version__;
@@ -41,45 +102,101 @@ std::string compiler() {
 PYBIND11_MODULE(_core, m) {
   m.doc() = "pyattn compute kernels (private; use the pyattn package)";
 
-  m.def("gemm", [](const py::array& a, const py::array& b, py::array& c, index_t m_, index_t n, index_t k,
-                   index_t rsa, index_t csa, index_t rsb, index_t csb, index_t rsc, index_t csc, index_t batch,
-                   const py::object& offa, const py::object& offb, const py::object& offc) {
-    pyattn::GemmArgs g{m_, n, k, cptr(a), rsa, csa, cptr(b), rsb, csb, mptr(c), rsc, csc,
-                       batch, offs(offa), offs(offb), offs(offc), pyattn::get_num_threads()};
-    py::gil_scoped_release nogil;
-    pyattn::active_isa().gemm[dt(c)](g);
-  });
+  m.def(
+      "gemm",
+      [](const py::array& a, const py::array& b, py::array& c, index_t m_, index_t n, index_t k, index_t rsa,
+         index_t csa, index_t rsb, index_t csb, index_t rsc, index_t csc, index_t batch, const py::object& offa,
+         const py::object& offb, const py::object& offc) {
+#ifdef PYATTN_DEBUG_CHECKS
+        check_same_dtype(c, {{"a", &a}, {"b", &b}});
+        check_matrices("a", a, offa, batch, m_, rsa, k, csa);
+        check_matrices("b", b, offb, batch, k, rsb, n, csb);
+        check_matrices("c", c, offc, batch, m_, rsc, n, csc);
+#endif
+        pyattn::GemmArgs g{m_, n, k, cptr(a), rsa, csa, cptr(b), rsb, csb, mptr(c), rsc, csc,
+                           batch, offs(offa), offs(offb), offs(offc), pyattn::get_num_threads()};
+        py::gil_scoped_release nogil;
+        pyattn::active_isa().gemm[dt(c)](g);
+      },
+      "c[i] = a[i] @ b[i] for each of `batch` matrices at the given element offsets and strides.", py::arg("a"),
+      py::arg("b"), py::arg("c"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("rsa"), py::arg("csa"),
+      py::arg("rsb"), py::arg("csb"), py::arg("rsc"), py::arg("csc"), py::arg("batch"), py::arg("offa"),
+      py::arg("offb"), py::arg("offc"));
 
-  m.def("softmax", [](const py::array& x, py::array& out, index_t rows, index_t n, const py::object& xoff,
-                      index_t xcs, const py::object& ooff, index_t ocs, int mask_kind, const py::object& mask,
-                      const py::object& moff, index_t mcs, double scale) {
-    pyattn::SoftmaxArgs s{rows, n, cptr(x), offs(xoff), xcs, mptr(out), offs(ooff), ocs,
-                          pyattn::MaskKind(mask_kind), opt_cptr(mask), offs(moff), mcs, scale,
-                          pyattn::get_num_threads()};
-    py::gil_scoped_release nogil;
-    pyattn::active_isa().softmax[dt(out)](s);
-  });
+  m.def(
+      "softmax",
+      [](const py::array& x, py::array& out, index_t rows, index_t n, const py::object& xoff, index_t xcs,
+         const py::object& ooff, index_t ocs, int mask_kind, const py::object& mask, const py::object& moff,
+         index_t mcs, double scale) {
+#ifdef PYATTN_DEBUG_CHECKS
+        check_same_dtype(out, {{"x", &x}});
+        PYATTN_DEBUG_CHECK(!xoff.is_none() && !ooff.is_none(), "softmax: row offsets are required");
+        PYATTN_DEBUG_CHECK(mask_kind >= 0 && mask_kind <= 2 && (mask_kind == 0) == mask.is_none(),
+                           "softmax: mask_kind does not match mask");
+        if (mask_kind == 2) check_same_dtype(out, {{"mask", &mask}});
+        if (mask_kind == 1) PYATTN_DEBUG_CHECK(py::cast<py::array>(mask).itemsize() == 1, "mask: bool masks are uint8");
+        check_matrices("x", x, xoff, rows, 1, 0, n, xcs);
+        check_matrices("out", out, ooff, rows, 1, 0, n, ocs);
+        check_matrices("mask", mask, moff, rows, 1, 0, n, mcs);
+#endif
+        pyattn::SoftmaxArgs s{rows, n, cptr(x), offs(xoff), xcs, mptr(out), offs(ooff), ocs,
+                              pyattn::MaskKind(mask_kind), opt_cptr(mask), offs(moff), mcs, scale,
+                              pyattn::get_num_threads()};
+        py::gil_scoped_release nogil;
+        pyattn::active_isa().softmax[dt(out)](s);
+      },
+      "out row r = softmax(x row r * scale + mask row r), rows at the given offsets.", py::arg("x"), py::arg("out"),
+      py::arg("rows"), py::arg("n"), py::arg("xoff"), py::arg("xcs"), py::arg("ooff"), py::arg("ocs"),
+      py::arg("mask_kind"), py::arg("mask").none(true), py::arg("moff").none(true), py::arg("mcs"),
+      py::arg("scale"));
 
-  m.def("attention", [](const py::array& q, const py::array& k, const py::array& v, py::array& out, index_t bh,
-                        index_t Lq, index_t Lk, index_t E, index_t Ev, index_t group, const py::object& qoff,
-                        index_t q_rs, const py::object& koff, index_t k_rs, const py::object& voff, index_t v_rs,
-                        const py::object& ooff, index_t o_rs, int mask_kind, const py::object& mask,
-                        const py::object& moff, index_t m_rs, index_t m_cs, const py::object& lse,
-                        const py::object& lseoff, index_t lse_s, const py::object& weights,
-                        const py::object& woff, index_t w_rs, double scale, int causal) {
-    pyattn::AttnArgs a{bh, Lq, Lk, E, Ev, group,
-                       cptr(q), offs(qoff), q_rs, cptr(k), offs(koff), k_rs, cptr(v), offs(voff), v_rs,
-                       mptr(out), offs(ooff), o_rs,
-                       pyattn::MaskKind(mask_kind), opt_cptr(mask), offs(moff), m_rs, m_cs,
-                       opt_mptr(lse), offs(lseoff), lse_s,
-                       opt_mptr(weights), offs(woff), w_rs,
-                       scale, pyattn::Causal(causal), pyattn::get_num_threads()};
-    py::gil_scoped_release nogil;
-    pyattn::active_isa().attention[dt(out)](a);
-  });
+  m.def(
+      "attention",
+      [](const py::array& q, const py::array& k, const py::array& v, py::array& out, index_t bh, index_t Lq,
+         index_t Lk, index_t E, index_t Ev, index_t group, const py::object& qoff, index_t q_rs,
+         const py::object& koff, index_t k_rs, const py::object& voff, index_t v_rs, const py::object& ooff,
+         index_t o_rs, int mask_kind, const py::object& mask, const py::object& moff, index_t m_rs, index_t m_cs,
+         const py::object& lse, const py::object& lseoff, index_t lse_s, const py::object& weights,
+         const py::object& woff, index_t w_rs, double scale, int causal) {
+#ifdef PYATTN_DEBUG_CHECKS
+        check_same_dtype(out, {{"q", &q}, {"k", &k}, {"v", &v}, {"lse", &lse}, {"weights", &weights}});
+        PYATTN_DEBUG_CHECK(!qoff.is_none() && !koff.is_none() && !voff.is_none() && !ooff.is_none(),
+                           "attention: q, k, v and out offsets are required");
+        PYATTN_DEBUG_CHECK(group >= 1 && bh % group == 0, "attention: bh must be a multiple of group");
+        PYATTN_DEBUG_CHECK(mask_kind >= 0 && mask_kind <= 2 && (mask_kind == 0) == mask.is_none(),
+                           "attention: mask_kind does not match mask");
+        PYATTN_DEBUG_CHECK(causal >= 0 && causal <= 2, "attention: causal must be 0, 1 or 2");
+        if (mask_kind == 2) check_same_dtype(out, {{"mask", &mask}});
+        if (mask_kind == 1) PYATTN_DEBUG_CHECK(py::cast<py::array>(mask).itemsize() == 1, "mask: bool masks are uint8");
+        check_matrices("q", q, qoff, bh, Lq, q_rs, E, 1);
+        check_matrices("k", k, koff, bh, Lk, k_rs, E, 1);
+        check_matrices("v", v, voff, bh, Lk, v_rs, Ev, 1);
+        check_matrices("out", out, ooff, bh, Lq, o_rs, Ev, 1);
+        check_matrices("mask", mask, moff, bh, Lq, m_rs, Lk, m_cs);
+        check_matrices("lse", lse, lseoff, bh, Lq, lse_s, 1, 1);
+        check_matrices("weights", weights, woff, bh, Lq, w_rs, Lk, 1);
+#endif
+        pyattn::AttnArgs a{bh, Lq, Lk, E, Ev, group,
+                           cptr(q), offs(qoff), q_rs, cptr(k), offs(koff), k_rs, cptr(v), offs(voff), v_rs,
+                           mptr(out), offs(ooff), o_rs,
+                           pyattn::MaskKind(mask_kind), opt_cptr(mask), offs(moff), m_rs, m_cs,
+                           opt_mptr(lse), offs(lseoff), lse_s,
+                           opt_mptr(weights), offs(woff), w_rs,
+                           scale, pyattn::Causal(causal), pyattn::get_num_threads()};
+        py::gil_scoped_release nogil;
+        pyattn::active_isa().attention[dt(out)](a);
+      },
+      "Fused attention over bh (batch, head) problems at the given element offsets and strides.", py::arg("q"),
+      py::arg("k"), py::arg("v"), py::arg("out"), py::arg("bh"), py::arg("Lq"), py::arg("Lk"), py::arg("E"),
+      py::arg("Ev"), py::arg("group"), py::arg("qoff"), py::arg("q_rs"), py::arg("koff"), py::arg("k_rs"),
+      py::arg("voff"), py::arg("v_rs"), py::arg("ooff"), py::arg("o_rs"), py::arg("mask_kind"),
+      py::arg("mask").none(true), py::arg("moff").none(true), py::arg("m_rs"), py::arg("m_cs"),
+      py::arg("lse").none(true), py::arg("lseoff").none(true), py::arg("lse_s"), py::arg("weights").none(true),
+      py::arg("woff").none(true), py::arg("w_rs"), py::arg("scale"), py::arg("causal"));
 
   m.def("isa", [] { return std::string(pyattn::active_isa().name); }, "Name of the kernel set in use.");
-  m.def("set_isa", [](const std::string& name) { return pyattn::set_active_isa(name.c_str()); },
+  m.def(
+      "set_isa", [](const std::string& name) { return pyattn::set_active_isa(name.c_str()); }, py::arg("name"),
         "Switch kernel set (tests); returns False if this CPU cannot run it.");
   m.def("available_isas", [] {
     std::vector<std::string> out;
@@ -88,8 +205,11 @@ PYBIND11_MODULE(_core, m) {
     return out;
   });
   m.def("get_num_threads", &pyattn::get_num_threads);
-  m.def("set_num_threads", &pyattn::set_num_threads);
+  m.def("set_num_threads", &pyattn::set_num_threads, py::arg("n"));
   m.def("default_num_threads", &pyattn::default_num_threads);
+  m.def("forked_after_team", &pyattn::forked_after_team,
+        "Whether this process was forked after its parent ran a multi-threaded call (it runs on one thread).");
+  m.attr("debug_checks") = kDebugChecks;
   m.attr("compiler") = compiler();
 #ifdef PYATTN_VERSION
   m.attr("__version__") = PYATTN_VERSION;

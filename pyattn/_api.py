@@ -30,6 +30,7 @@ from ._validate import (
     mask_array,
     overlaps,
     positive_int,
+    same_layout,
     strided_ok,
     unit_last,
     writable_in_place,
@@ -169,15 +170,16 @@ def scaled_dot_product_attention(
             koff, voff = lead_offsets(kb, nlead, group), lead_offsets(vb, nlead, group)
             ms = elem_strides(m)[-2:] if m is not None else (0, 0)
             _core.attention(
-                qb, kb, vb, target, bh, Lq, Lk, E, Ev, group,
-                lead_offsets(qb, nlead), elem_strides(qb)[-2],
-                koff, elem_strides(kb)[-2],
-                voff, elem_strides(vb)[-2],
-                lead_offsets(target, nlead), elem_strides(target)[-2],
-                mask_kind, m, lead_offsets(m, nlead) if m is not None else None, ms[0], ms[1],
-                lse, lead_offsets(lse, nlead) if lse is not None else None, 1,
-                weights, lead_offsets(weights, nlead) if weights is not None else None, Lk,
-                scale, _CAUSAL[causal_align] if is_causal else 0,
+                q=qb, k=kb, v=vb, out=target, bh=bh, Lq=Lq, Lk=Lk, E=E, Ev=Ev, group=group,
+                qoff=lead_offsets(qb, nlead), q_rs=elem_strides(qb)[-2],
+                koff=koff, k_rs=elem_strides(kb)[-2],
+                voff=voff, v_rs=elem_strides(vb)[-2],
+                ooff=lead_offsets(target, nlead), o_rs=elem_strides(target)[-2],
+                mask_kind=mask_kind, mask=m, moff=lead_offsets(m, nlead) if m is not None else None,
+                m_rs=ms[0], m_cs=ms[1],
+                lse=lse, lseoff=lead_offsets(lse, nlead) if lse is not None else None, lse_s=1,
+                weights=weights, woff=lead_offsets(weights, nlead) if weights is not None else None, w_rs=Lk,
+                scale=scale, causal=_CAUSAL[causal_align] if is_causal else 0,
             )  # fmt: skip
             if target is not result:
                 result[...] = target
@@ -213,18 +215,23 @@ def softmax(x, axis=-1, *, scale=None, mask=None, out=None):
     if a.size == 0:
         return result
     target = result
-    if not writable_in_place(result) or (out is not None and overlaps(result, m)):
+    # Rows are computed one at a time, each read whole before it is written: out may be x itself
+    # (same memory, same strides), but any other overlap would read rows already overwritten.
+    if not writable_in_place(result) or (
+        out is not None and (overlaps(result, m) or (overlaps(result, a) and not same_layout(result, a)))
+    ):
         target = np.empty(a.shape, dtype)
     xs = strided_ok(np.moveaxis(cast(a, dtype), ax, -1))
     ts = np.moveaxis(target, ax, -1)
     nl = a.ndim - 1
     rows = math.prod(xs.shape[:-1])
     _core.softmax(
-        xs, ts, rows, xs.shape[-1],
-        lead_offsets(xs, nl), elem_strides(xs)[-1],
-        lead_offsets(ts, nl), elem_strides(ts)[-1],
-        mask_kind, m, lead_offsets(m, nl) if m is not None else None, elem_strides(m)[-1] if m is not None else 0,
-        1.0 if scale is None else float(scale),
+        x=xs, out=ts, rows=rows, n=xs.shape[-1],
+        xoff=lead_offsets(xs, nl), xcs=elem_strides(xs)[-1],
+        ooff=lead_offsets(ts, nl), ocs=elem_strides(ts)[-1],
+        mask_kind=mask_kind, mask=m, moff=lead_offsets(m, nl) if m is not None else None,
+        mcs=elem_strides(m)[-1] if m is not None else 0,
+        scale=1.0 if scale is None else float(scale),
     )  # fmt: skip
     if target is not result:
         result[...] = target
@@ -255,7 +262,10 @@ def matmul(a, b, *, out=None):
         if a.flags.aligned and b.flags.aligned and not (ra % isz or ca % isz or rb % isz or cb % isz):
             (m, k), n = a.shape, b.shape[1]
             c = np.empty((m, n), a.dtype)
-            _core.gemm(a, b, c, m, n, k, ra // isz, ca // isz, rb // isz, cb // isz, n, 1, 1, None, None, None)
+            _core.gemm(
+                a=a, b=b, c=c, m=m, n=n, k=k, rsa=ra // isz, csa=ca // isz, rsb=rb // isz, csb=cb // isz,
+                rsc=n, csc=1, batch=1, offa=None, offb=None, offc=None,
+            )  # fmt: skip
             return c
     x = float_array(a, "a")
     y = float_array(b, "b")
@@ -290,8 +300,9 @@ def matmul(a, b, *, out=None):
     nb = math.prod(batch)
     sa, sb, sc = elem_strides(xa), elem_strides(yb), elem_strides(c)
     _core.gemm(
-        xa, yb, c, m, n, k, sa[-2], sa[-1], sb[-2], sb[-1], sc[-2], sc[-1], nb,
-        lead_offsets(xa, nl) if nl else None, lead_offsets(yb, nl) if nl else None, lead_offsets(c, nl) if nl else None,
+        a=xa, b=yb, c=c, m=m, n=n, k=k, rsa=sa[-2], csa=sa[-1], rsb=sb[-2], csb=sb[-1], rsc=sc[-2], csc=sc[-1],
+        batch=nb, offa=lead_offsets(xa, nl) if nl else None, offb=lead_offsets(yb, nl) if nl else None,
+        offc=lead_offsets(c, nl) if nl else None,
     )  # fmt: skip
     if out is not None:
         if not direct:
@@ -303,9 +314,39 @@ def matmul(a, b, *, out=None):
 # ----------------------------------------------------------------------------- threads & config
 
 
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def _thread_count(n) -> int:
+    """``n`` checked as a thread count: 1 to 4 x the CPUs this process may run on (at least 16).
+    More threads than cores only slows the kernels; far more exhausts the OS."""
+    n = positive_int(n, "n")
+    cpus = _usable_cpus()
+    limit = max(16, 4 * cpus)
+    if n > limit:
+        raise ValueError(f"n must be <= {limit} (4 x the {cpus} CPUs this process may use, at least 16); got {n}")
+    if n > 1 and _core.forked_after_team():
+        warnings.warn(
+            "pyattn runs on one thread in a process forked after a multi-threaded pyattn call (GNU OpenMP's "
+            "thread pool cannot be used after fork); use the 'spawn' or 'forkserver' start method for "
+            "multi-threaded workers",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return n
+
+
 def set_num_threads(n: int) -> None:
-    """Threads used by every pyattn kernel from now on (process-wide)."""
-    _core.set_num_threads(positive_int(n, "n"))
+    """Threads used by every pyattn kernel from now on (process-wide): 1 to 4 x the CPUs (at least 16).
+
+    A process forked after a multi-threaded pyattn call computes on one thread whatever this says
+    (GNU OpenMP's pool does not survive fork); ``get_num_threads()`` reports 1 there.
+    """
+    _core.set_num_threads(_thread_count(n))
 
 
 def get_num_threads() -> int:
@@ -316,7 +357,7 @@ def get_num_threads() -> int:
 @contextlib.contextmanager
 def num_threads(n: int):
     """Context manager: run the block with ``n`` threads, then restore the previous count."""
-    n = positive_int(n, "n")
+    n = _thread_count(n)
     old = _core.get_num_threads()
     _core.set_num_threads(n)
     try:

@@ -1,27 +1,50 @@
-# Private extension module: pointers, sizes and strides only. Use the pyattn package.
+# Private extension module (csrc/bindings.cpp): pointers, sizes and strides only, all in elements.
+# pyattn/_api.py validates and normalises every argument and calls these with keywords; the
+# kernels trust what they get (debug and sanitizer builds, where ``debug_checks`` is True, check
+# each extent and stride against its array and raise IndexError). Use the pyattn package.
 from typing import Optional
 
 import numpy as np
 
 __version__: str
 compiler: str
+debug_checks: bool
 
-def gemm(a: np.ndarray, b: np.ndarray, c: np.ndarray, m: int, n: int, k: int, rsa: int, csa: int,
-         rsb: int, csb: int, rsc: int, csc: int, batch: int, offa: Optional[np.ndarray],
-         offb: Optional[np.ndarray], offc: Optional[np.ndarray]) -> None: ...
-def softmax(x: np.ndarray, out: np.ndarray, rows: int, n: int, xoff: np.ndarray, xcs: int,
-            ooff: np.ndarray, ocs: int, mask_kind: int, mask: Optional[np.ndarray],
-            moff: Optional[np.ndarray], mcs: int, scale: float) -> None: ...
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, bh: int, Lq: int, Lk: int,
-              E: int, Ev: int, group: int, qoff: np.ndarray, q_rs: int, koff: np.ndarray, k_rs: int,
-              voff: np.ndarray, v_rs: int, ooff: np.ndarray, o_rs: int, mask_kind: int,
-              mask: Optional[np.ndarray], moff: Optional[np.ndarray], m_rs: int, m_cs: int,
-              lse: Optional[np.ndarray], lseoff: Optional[np.ndarray], lse_s: int,
-              weights: Optional[np.ndarray], woff: Optional[np.ndarray], w_rs: int, scale: float,
-              causal: int) -> None: ...
+def gemm(
+    a: np.ndarray, b: np.ndarray, c: np.ndarray, m: int, n: int, k: int,
+    rsa: int, csa: int, rsb: int, csb: int, rsc: int, csc: int, batch: int,
+    offa: Optional[np.ndarray], offb: Optional[np.ndarray], offc: Optional[np.ndarray],
+) -> None:
+    """c[i] = a[i] @ b[i], i < batch; matrix i of a starts at offa[i] (0 when None), m x k at
+    strides (rsa, csa); likewise b (k x n) and c (m x n). c has a's and b's dtype."""
+
+def softmax(
+    x: np.ndarray, out: np.ndarray, rows: int, n: int,
+    xoff: np.ndarray, xcs: int, ooff: np.ndarray, ocs: int,
+    mask_kind: int, mask: Optional[np.ndarray], moff: Optional[np.ndarray], mcs: int, scale: float,
+) -> None:
+    """out row r = softmax(x row r * scale + mask row r), r < rows; row r of x starts at xoff[r]
+    with element stride xcs (likewise out, mask). mask_kind: 0 none, 1 bool (uint8 view), 2 additive."""
+
+def attention(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
+    bh: int, Lq: int, Lk: int, E: int, Ev: int, group: int,
+    qoff: np.ndarray, q_rs: int, koff: np.ndarray, k_rs: int, voff: np.ndarray, v_rs: int,
+    ooff: np.ndarray, o_rs: int,
+    mask_kind: int, mask: Optional[np.ndarray], moff: Optional[np.ndarray], m_rs: int, m_cs: int,
+    lse: Optional[np.ndarray], lseoff: Optional[np.ndarray], lse_s: int,
+    weights: Optional[np.ndarray], woff: Optional[np.ndarray], w_rs: int,
+    scale: float, causal: int,
+) -> None:
+    """Attention over bh (batch, head) problems: problem i reads q[qoff[i]:] (Lq x E, row stride
+    q_rs, unit feature stride), k[koff[i]:] (Lk x E), v[voff[i]:] (Lk x Ev) and writes
+    out[ooff[i]:] (Lq x Ev); each run of `group` problems shares one K/V. causal: 0 none,
+    1 top-left, 2 bottom-right. weights, if given, must be zero-filled."""
+
 def isa() -> str: ...
 def set_isa(name: str) -> bool: ...
 def available_isas() -> list[str]: ...
 def get_num_threads() -> int: ...
 def set_num_threads(n: int) -> None: ...
 def default_num_threads() -> int: ...
+def forked_after_team() -> bool: ...

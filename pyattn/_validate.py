@@ -112,6 +112,15 @@ def overlaps(out: np.ndarray, *inputs) -> bool:
     return any(i is not None and np.may_share_memory(out, i) for i in inputs)
 
 
+def same_layout(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays of one shape address exactly the same elements in the same order."""
+    return (
+        a.shape == b.shape
+        and a.strides == b.strides
+        and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+    )
+
+
 def mask_array(mask, name: str, dtype: np.dtype):
     """(kind, array): kind 1 for bool masks (True = may attend), 2 for additive float masks."""
     m = np.asarray(mask)

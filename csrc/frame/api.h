@@ -78,6 +78,11 @@ int isa_supported(const char* name);
 int default_num_threads();
 int get_num_threads();
 void set_num_threads(int n);
+// Called before every OpenMP region with more than one thread (frame/common.h's team()): a
+// process forked after that cannot use GNU OpenMP's thread pool, whose threads are not copied
+// into the child, so it computes on one thread (get_num_threads() returns 1 there).
+void note_team_started();
+bool forked_after_team();
 
 // Per-thread, 64-byte aligned, grow-only scratch (slot 0..7) owned by the calling OS thread.
 // Lives in the baseline TU so that no ISA translation unit emits shared inline symbols.

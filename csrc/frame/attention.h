@@ -31,19 +31,19 @@ struct Attention {
   static constexpr T kSlack = T(8);
 
   const AttnArgs& a;
-  const T *Q, *Kp, *V;
-  T *O, *Lse, *W;
+  const T *query, *key, *value;  // read in place: only the small Q^T panel tile is ever packed
+  T *out, *lse, *weights;          // lse and weights are null unless asked for
   T s2;           // scale * log2(e), folded into Q
   index_t coff;   // causal: query i may see keys j <= i + coff
 
   explicit Attention(const AttnArgs& args)
       : a(args),
-        Q(static_cast<const T*>(args.q)),
-        Kp(static_cast<const T*>(args.k)),
-        V(static_cast<const T*>(args.v)),
-        O(static_cast<T*>(args.out)),
-        Lse(static_cast<T*>(args.lse)),
-        W(static_cast<T*>(args.weights)),
+        query(static_cast<const T*>(args.q)),
+        key(static_cast<const T*>(args.k)),
+        value(static_cast<const T*>(args.v)),
+        out(static_cast<T*>(args.out)),
+        lse(static_cast<T*>(args.lse)),
+        weights(static_cast<T*>(args.weights)),
         s2(T(args.scale * kLog2e)),
         coff(args.causal == Causal::bottom_right ? args.Lk - args.Lq : 0) {}
 
@@ -55,18 +55,29 @@ struct Attention {
 
   // ---------------------------------------------------------------- prefill (query tiles)
 
-  // m: per-query reference (-inf until a key was visible); sub: m, or 0 where m = -inf, the
-  // exponent offset; ready: every m is finite, so unmasked blocks may take the fused path;
-  // fresh: no key block has been taken in yet (l and acc are 0); nr: the panel's real queries
-  // (the kernels compute only the vectors that hold them; the rest of st holds finite filler).
+  // One query panel's state: NR queries, each a column of the transposed tiles. Every buffer
+  // has one role; the vectors of per-query statistics are NR long.
   struct Tile {
-    T *qt, *st, *acc, *m, *l, *sub, *alpha, *csum, *xmax;
-    bool ready, fresh;
-    int nr;
+    T* qt;     // E x NR: the panel's queries, transposed and scaled by s2 (zero beyond nr)
+    T* st;     // BK x NR: S^T of the current key block, then P^T in place
+    T* acc;    // Ev x NR: the unnormalised output, transposed
+    T* m;      // reference per query (log2 units): -inf until a key was visible
+    T* l;      // sum of P per query, relative to m
+    T* sub;    // exponent offset: m, or 0 where m = -inf (so exp2(-inf - sub) = 0, never NaN)
+    T* alpha;  // rescale of l and acc by the last two-pass update
+    T* cmax;   // column max of the block's scores (fused path: of S^T - sub)
+    T* csum;   // column sums of the block's P^T
+    T* inv;    // 1 / l, or 0 where l = 0 (no key visible), once the panel is finished
+    bool ready;  // every m is finite: unmasked blocks may take the fused path
+    bool fresh;  // no key block taken in yet (l and acc are 0)
+    int nr;      // the panel's real queries: kernels compute only the vectors that hold them,
+                 // and the rest of st holds finite filler
   };
+  static constexpr int kStatVectors = 7;  // m, l, sub, alpha, cmax, csum, inv
 
-  static std::size_t tile_scratch(index_t E, index_t Ev) {
-    return std::size_t(NR) * std::size_t(E + BK + Ev + 8) * sizeof(T);
+  // Elements of one panel's scratch: qt + st + acc + the statistics vectors.
+  static std::size_t tile_elems(index_t E, index_t Ev) {
+    return std::size_t(NR) * std::size_t(E + BK + Ev + kStatVectors);
   }
 
   Tile carve(T* base) const {
@@ -74,16 +85,35 @@ struct Attention {
     t.qt = base;
     t.st = t.qt + a.E * NR;
     t.acc = t.st + BK * NR;
-    t.m = t.acc + a.Ev * NR;
-    t.l = t.m + NR;
-    t.sub = t.l + NR;
-    t.alpha = t.sub + NR;
-    t.csum = t.alpha + NR;
-    t.xmax = t.csum + NR;
+    T* stats = t.acc + a.Ev * NR;
+    T** vecs[kStatVectors] = {&t.m, &t.l, &t.sub, &t.alpha, &t.cmax, &t.csum, &t.inv};
+    for (int i = 0; i < kStatVectors; ++i) *vecs[i] = stats + i * NR;
     t.ready = false;
     t.fresh = true;
     t.nr = NR;
     return t;
+  }
+
+  // A panel about to take in its first key block: no reference, nothing accumulated.
+  void reset_panel(Tile& t) const {
+    for (int c = 0; c < NR; ++c) {
+      t.m[c] = -kInf;
+      t.l[c] = T(0);
+      t.sub[c] = T(0);
+      t.alpha[c] = T(1);
+    }
+    for (index_t x = 0; x < a.Ev * NR; ++x) t.acc[x] = T(0);
+    t.ready = false;
+    t.fresh = true;
+  }
+
+  // acc^T[d, c] *= f[c] for every value column d
+  void scale_acc(Tile& t, const T* f) const {
+    for (index_t d = 0; d < a.Ev; ++d) {
+      T* ad = t.acc + d * NR;
+#pragma omp simd
+      for (int c = 0; c < NR; ++c) ad[c] *= f[c];
+    }
   }
 
   // qt[e*NR + q] = Q[q0+q, e] * s2, zero beyond the qc real queries.
@@ -113,18 +143,18 @@ struct Attention {
   // S^T blocks of np query panels = K[k0:k0+kb] Q^T, eight keys at a time across all panels so
   // those K rows are read from memory once and from L1 for the other panels; then masked.
   // Panels with fused[p] get P^T = exp2(S^T - sub) straight from the kernel, with colmax(S^T -
-  // sub) in xmax and colsum(P^T) in csum (only for unmasked blocks). With `prime` (an unmasked
+  // sub) in cmax and colsum(P^T) in csum (only for unmasked blocks). With `prime` (an unmasked
   // block), a fresh panel takes its references from its first eight keys and the fused path
   // for the rest, fused[p] then set.
   PYATTN_PHASE void scores(index_t bh, index_t q0, index_t k0, index_t kb, Tile* t, int np, bool* fused,
                            bool prime) const {
-    const T* kblk = Kp + a.koff[bh] + k0 * a.k_rs;
-    const T* vblk = V + a.voff[bh] + k0 * a.v_rs;
+    const T* kblk = key + a.koff[bh] + k0 * a.k_rs;
+    const T* vblk = value + a.voff[bh] + k0 * a.v_rs;
     index_t first[K::NP] = {};  // rows of S^T already computed, per panel
     for (int p = 0; p < np; ++p) {
       if (fused && fused[p])
         for (int c = 0; c < NR; ++c) {
-          t[p].xmax[c] = -kInf;
+          t[p].cmax[c] = -kInf;
           t[p].csum[c] = T(0);
         }
       if (prime && fused && !fused[p] && t[p].fresh) {
@@ -141,7 +171,7 @@ struct Attention {
         if (j < first[p]) continue;
         if (fused && fused[p])
           K::ukernel_exp2(mr, a.E, kblk + j * a.k_rs, a.k_rs, 1, t[p].qt, NR, t[p].st + j * NR, NR, t[p].nr,
-                          t[p].sub, t[p].xmax, t[p].csum);
+                          t[p].sub, t[p].cmax, t[p].csum);
         else
           K::ukernel(mr, a.E, kblk + j * a.k_rs, a.k_rs, 1, t[p].qt, NR, t[p].st + j * NR, NR, t[p].nr, false);
       }
@@ -164,18 +194,18 @@ struct Attention {
   }
 
   // A fresh panel's references from the first mr rows of its first unmasked block:
-  //   m = sub = colmax(st[0:mr]); st[0:mr] = exp2(st[0:mr] - m); csum = colsum; xmax = 0
+  //   m = sub = colmax(st[0:mr]); st[0:mr] = exp2(st[0:mr] - m); csum = colsum; cmax = 0
   // Only where every column's max is finite (no -inf/NaN scores); else the block stays raw for
   // the two-pass update. A later key that beats m by the slack sends the block there too.
   static bool prime_panel(int mr, Tile& t) {
-    T* cm = t.xmax;
+    T* cm = t.cmax;
     colmax(t.st, mr, cm);
     bool finite = true;
     for (int c = 0; c < NR; ++c) finite &= cm[c] > -kInf && cm[c] < kInf;
     if (!finite) return false;
     for (int c = 0; c < NR; ++c) {
       t.m[c] = t.sub[c] = cm[c];
-      t.xmax[c] = T(0);
+      t.cmax[c] = T(0);  // the fused kernel goes on with the max of S^T - sub
       t.csum[c] = T(0);
     }
     t.ready = true;
@@ -187,8 +217,8 @@ struct Attention {
   //   m' = colmax(st) where it exceeds m + kSlack, else m; alpha = exp2(m - m') (1 where m was
   //   -inf: l and acc are still 0); sub = m' or 0 if m' = -inf;
   //   st = exp2(st - sub); l = alpha*l + colsum(st); acc^T *= alpha where m moved
-  PYATTN_PHASE static void online_softmax(index_t kb, Tile& t) {
-    T* cm = t.csum;  // reused: holds the column max until the column sums start
+  PYATTN_PHASE void online_softmax(index_t kb, Tile& t) const {
+    T* cm = t.cmax;
     colmax(t.st, kb, cm);
     bool moved = false, ready = true;
     for (int c = 0; c < NR; ++c) {
@@ -201,25 +231,20 @@ struct Attention {
       moved |= al != T(1);
       ready &= t.m[c] != -kInf;
       t.sub[c] = t.m[c] == -kInf ? T(0) : t.m[c];
-      cm[c] = T(0);
+      t.csum[c] = T(0);
     }
     t.ready = ready;
     for (index_t j = 0; j < kb; ++j) K::exp2_sub_cols(t.st + j * NR, t.sub, t.csum, NR);
 #pragma omp simd
     for (int c = 0; c < NR; ++c) t.l[c] = t.alpha[c] * t.l[c] + t.csum[c];
-    if (moved) {
-      for (T* ad = t.acc; ad != t.m; ad += NR) {
-#pragma omp simd
-        for (int c = 0; c < NR; ++c) ad[c] *= t.alpha[c];
-      }
-    }
+    if (moved) scale_acc(t, t.alpha);
   }
 
   // After a fused block: l += csum, unless some score exceeded its reference by over kSlack
   // (P may have overflowed): then the block's scores are recomputed and taken the two-pass way.
   PYATTN_PHASE void finish_fused(index_t bh, index_t qp, index_t k0, index_t kb, Tile& t) const {
     bool over = false;
-    for (int c = 0; c < NR; ++c) over |= t.xmax[c] > kSlack;
+    for (int c = 0; c < NR; ++c) over |= t.cmax[c] > kSlack;
     if (over) {
       scores(bh, qp, k0, kb, &t, 1, nullptr, false);
       online_softmax(kb, t);
@@ -231,10 +256,10 @@ struct Attention {
 
   // acc^T += V_blk^T P^T for every panel, eight value columns at a time across the panels.
   PYATTN_PHASE void accumulate(index_t bh, index_t k0, index_t kb, Tile* t, int np, index_t kend) const {
-    const T* vblk = V + a.voff[bh] + k0 * a.v_rs;
+    const T* vblk = value + a.voff[bh] + k0 * a.v_rs;
     // The next block's K rows, spread over the value-column steps.
     const index_t nnext = min_of<index_t>(BK, kend - k0 - kb), per = ceil_div(nnext, max_of<index_t>(1, ceil_div(a.Ev, MR)));
-    const T* knext = Kp + a.koff[bh] + (k0 + kb) * a.k_rs;
+    const T* knext = key + a.koff[bh] + (k0 + kb) * a.k_rs;
     for (index_t d = 0, r = 0; d < a.Ev; d += MR, r += per) {
       const int mr = int(min_of<index_t>(MR, a.Ev - d));
       if (r < nnext) prefetch_rows_l2(knext + r * a.k_rs, a.k_rs, min_of<index_t>(per, nnext - r), a.E);
@@ -250,24 +275,18 @@ struct Attention {
     // The task's Q rows and first K block are asked for together before the Q^T packing starts
     // on them: on short sequences these first touches were a sixth of the time.
     const index_t nq = min_of<index_t>(a.Lq - q0, index_t(np) * NR);
-    prefetch_rows_l2(Q + a.qoff[bh] + q0 * a.q_rs, a.q_rs, nq, a.E);
-    prefetch_rows_l2(Kp + a.koff[bh], a.k_rs, min_of<index_t>(BK, kend), a.E);
+    prefetch_rows_l2(query + a.qoff[bh] + q0 * a.q_rs, a.q_rs, nq, a.E);
+    prefetch_rows_l2(key + a.koff[bh], a.k_rs, min_of<index_t>(BK, kend), a.E);
     for (int p = 0; p < np; ++p) {
       const index_t qp = q0 + p * NR, qc = min_of<index_t>(NR, a.Lq - qp);
-      pack_qt(Q + a.qoff[bh] + qp * a.q_rs, qc, t[p].qt);
+      pack_qt(query + a.qoff[bh] + qp * a.q_rs, qc, t[p].qt);
       // A short panel: the kernels skip its unused vectors, so give those columns of st a
       // finite filler once (the column statistics run over all NR columns).
       t[p].nr = int(qc);
       if (qc < NR)
         for (index_t j = 0; j < BK; ++j)
           for (index_t c = qc; c < NR; ++c) t[p].st[j * NR + c] = T(0);
-      for (int c = 0; c < NR; ++c) {
-        t[p].m[c] = -kInf;
-        t[p].l[c] = T(0);
-      }
-      t[p].ready = false;
-      t[p].fresh = true;
-      for (index_t x = 0; x < a.Ev * NR; ++x) t[p].acc[x] = T(0);
+      reset_panel(t[p]);
     }
     // Causal: panels before p0 see no key from k0 on and are left out; a block is cut where the
     // first active panel's keys end, so that it computes no row of keys it cannot see.
@@ -298,16 +317,13 @@ struct Attention {
   // out = acc / l (zeros where no key was visible), lse = ln(2) * (m + log2(l)); weights if asked.
   PYATTN_PHASE void finish_panel(index_t bh, index_t q0, index_t kend, Tile& t) const {
     const index_t qc = min_of<index_t>(NR, a.Lq - q0);
-    T* o = O + a.ooff[bh] + q0 * a.o_rs;
-    for (int c = 0; c < NR; ++c) t.csum[c] = t.l[c] > T(0) ? T(1) / t.l[c] : T(0);
-    for (T* ad = t.acc; ad != t.m; ad += NR) {
-#pragma omp simd
-      for (int c = 0; c < NR; ++c) ad[c] *= t.csum[c];
-    }
+    T* o = out + a.ooff[bh] + q0 * a.o_rs;
+    for (int c = 0; c < NR; ++c) t.inv[c] = t.l[c] > T(0) ? T(1) / t.l[c] : T(0);
+    scale_acc(t, t.inv);
     K::transpose(t.acc, NR, a.Ev, qc, o, a.o_rs);
-    if (Lse)
-      for (index_t c = 0; c < qc; ++c) Lse[a.lseoff[bh] + (q0 + c) * a.lse_s] = lse_of(t.m[c], t.l[c]);
-    if (W) weights_panel(bh, q0, qc, kend, t);
+    if (lse)
+      for (index_t c = 0; c < qc; ++c) lse[a.lseoff[bh] + (q0 + c) * a.lse_s] = lse_of(t.m[c], t.l[c]);
+    if (weights) weights_panel(bh, q0, qc, kend, t);
   }
 
   static T lse_of(T m, T l) {
@@ -317,12 +333,12 @@ struct Attention {
 
   // Second sweep for return_weights: W[q, j] = exp2(S^T[j, q] - m_q) / l_q, written exactly once.
   PYATTN_PHASE void weights_panel(index_t bh, index_t q0, index_t qc, index_t kend, Tile& t) const {
-    const T* inv = t.csum;
-    T* w = W + a.woff[bh] + q0 * a.w_rs;
+    const T* inv = t.inv;
+    T* w = weights + a.woff[bh] + q0 * a.w_rs;
     for (index_t k0 = 0; k0 < kend; k0 += BK) {
       const index_t kb = min_of<index_t>(BK, kend - k0);
       scores(bh, q0, k0, kb, &t, 1, nullptr, false);
-      for (index_t j = 0; j < kb; ++j) K::exp2_sub_cols(t.st + j * NR, t.sub, t.alpha, NR);
+      for (index_t j = 0; j < kb; ++j) K::exp2_sub_cols(t.st + j * NR, t.sub, t.csum, NR);  // l is final: csum not needed
       for (index_t c = 0; c < qc; ++c) {
         T* wr = w + c * a.w_rs + k0;
         for (index_t j = 0; j < kb; ++j) wr[j] = t.st[j * NR + c] * inv[c];
@@ -334,30 +350,25 @@ struct Attention {
     constexpr int NP = K::NP;
     const index_t ngroups = ceil_div(a.Lq, index_t(NP) * NR);
     const index_t ntasks = a.bh * ngroups;
-    const std::size_t panel = tile_scratch(a.E, a.Ev), bytes = NP * panel;
+    const std::size_t panel = tile_elems(a.E, a.Ev);
     const double work = double(a.bh) * double(a.Lq) * double(a.Lk) * double(a.E + a.Ev);
     const int nt = int(min_of<index_t>(threads_for(work, a.nthreads), ntasks));
-    auto carve_all = [&](T* base, Tile* t) {
-      for (int p = 0; p < NP; ++p) t[p] = carve(base + p * (panel / sizeof(T)));
-    };
-    // Causal groups near the end of the sequence do the most work: hand them out first.
-    auto task = [&](index_t i, Tile* t) {
-      const index_t g = ngroups - 1 - i / a.bh;
-      query_group(i % a.bh, g * NP * NR, NP, t);
-    };
-    if (nt <= 1) {
+    struct Panels {
       Tile t[NP];
-      carve_all(static_cast<T*>(scratch(0, bytes)), t);
-      for (index_t i = 0; i < ntasks; ++i) task(i, t);
-      return;
-    }
-#pragma omp parallel num_threads(nt)
-    {
-      Tile t[NP];
-      carve_all(static_cast<T*>(scratch(0, bytes)), t);
-#pragma omp for schedule(dynamic, 1)
-      for (index_t i = 0; i < ntasks; ++i) task(i, t);
-    }
+    };
+    auto setup = [&] {
+      Panels ps;
+      T* base = static_cast<T*>(scratch(0, NP * panel * sizeof(T)));
+      for (int p = 0; p < NP; ++p) ps.t[p] = carve(base + p * panel);
+      return ps;
+    };
+    team(nt, setup, [&](Panels& ps, const Team& tm) {
+      // Causal groups near the end of the sequence do the most work: hand them out first.
+      tm.for_each(ntasks, true, [&](index_t i) {
+        const index_t g = ngroups - 1 - i / a.bh;
+        query_group(i % a.bh, g * NP * NR, NP, ps.t);
+      });
+    });
   }
 
   // ---------------------------------------------------------------- decode (few queries)
@@ -383,15 +394,15 @@ struct Attention {
     const index_t Lq = a.Lq, E = a.E, Ev = a.Ev;
     const index_t h0 = g * a.group;
     for (index_t x = 0; x < r.R; ++x) {
-      const T* qsrc = Q + a.qoff[h0 + x / Lq] + (x % Lq) * a.q_rs;
+      const T* qsrc = query + a.qoff[h0 + x / Lq] + (x % Lq) * a.q_rs;
       T* qd = r.q + x * E;
       for (index_t e = 0; e < E; ++e) qd[e] = qsrc[e] * s2;
       r.m[x] = -kInf;
       r.l[x] = T(0);
       for (index_t d = 0; d < Ev; ++d) r.acc[x * Ev + d] = T(0);
     }
-    const T* kbase = Kp + a.koff[h0];
-    const T* vbase = V + a.voff[h0];
+    const T* kbase = key + a.koff[h0];
+    const T* vbase = value + a.voff[h0];
     for (index_t k0 = j0; k0 < j1; k0 += DB) {
       const index_t kb = min_of<index_t>(DB, j1 - k0);
       // s[x, j] = q_x . k_j, key rows read in order (see kernels/x86_simd.h). Prefetched, one
@@ -429,10 +440,10 @@ struct Attention {
 
   void finish_row(index_t g, index_t x, const T* acc, T m, T l) const {
     const index_t h = g * a.group + x / a.Lq, qi = x % a.Lq;
-    T* orow = O + a.ooff[h] + qi * a.o_rs;
+    T* orow = out + a.ooff[h] + qi * a.o_rs;
     const T inv = l > T(0) ? T(1) / l : T(0);
     for (index_t d = 0; d < a.Ev; ++d) orow[d] = acc[d] * inv;
-    if (Lse) Lse[a.lseoff[h] + qi * a.lse_s] = lse_of(m, l);
+    if (lse) lse[a.lseoff[h] + qi * a.lse_s] = lse_of(m, l);
   }
 
   void decode() const {
@@ -498,23 +509,11 @@ struct Attention {
       }
     };
 
-    if (nt <= 1) {
-      Rows r = carve_rows(static_cast<T*>(scratch(0, bytes)));
-      for (index_t t = 0; t < ntasks; ++t) task(t, r);
-      if (parts)
-        for (index_t g = 0; g < ng; ++g) merge(g, r.acc);
-      return;
-    }
-#pragma omp parallel num_threads(nt)
-    {
-      Rows r = carve_rows(static_cast<T*>(scratch(0, bytes)));
-#pragma omp for schedule(dynamic, 1)
-      for (index_t t = 0; t < ntasks; ++t) task(t, r);
-      if (parts) {
-#pragma omp for schedule(static)
-        for (index_t g = 0; g < ng; ++g) merge(g, r.acc);
-      }
-    }
+    team(nt, [&] { return carve_rows(static_cast<T*>(scratch(0, bytes))); },
+         [&](Rows& r, const Team& tm) {
+           tm.for_each(ntasks, true, [&](index_t t) { task(t, r); });
+           if (parts) tm.for_each(ng, false, [&](index_t g) { merge(g, r.acc); });
+         });
   }
 
   // Decode when each K/V row would otherwise be read for a single query tile that is mostly

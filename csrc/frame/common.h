@@ -46,6 +46,63 @@ inline int threads_for(double work, int nthreads) {
   return max_of(1, min_of(nthreads, by_work));
 }
 
+// The one way the kernels go parallel. team(nt, setup, work) runs work(state, team) on each
+// thread of a team of nt, with state = setup() made by that thread for itself (its scratch);
+// nt <= 1 runs inline with no OpenMP region. Loops are shared with team.for_each(), an orphaned
+// `omp for`. Nothing may escape an OpenMP region (an exception there is std::terminate): an
+// exception from setup (std::bad_alloc) on any thread makes every thread skip work, and it is
+// rethrown on the caller, where pybind11 turns it into MemoryError.
+struct Team {
+  bool parallel;
+  int tid() const { return parallel ? omp_get_thread_num() : 0; }
+  int size() const { return parallel ? omp_get_num_threads() : 1; }
+  // f(i) for i in [0, n), spread over the team: one at a time on demand (dynamic, for tasks of
+  // uneven cost) or in equal contiguous runs.
+  template <class F>
+  void for_each(index_t n, bool dynamic, F&& f) const {
+    if (!parallel) {
+      for (index_t i = 0; i < n; ++i) f(i);
+    } else if (dynamic) {
+#pragma omp for schedule(dynamic, 1)
+      for (index_t i = 0; i < n; ++i) f(i);
+    } else {
+#pragma omp for schedule(static)
+      for (index_t i = 0; i < n; ++i) f(i);
+    }
+  }
+};
+
+template <class Setup, class Work>
+inline void team(int nt, Setup&& setup, Work&& work) {
+  if (nt <= 1) {
+    auto state = setup();
+    work(state, Team{false});
+    return;
+  }
+  note_team_started();
+  std::exception_ptr error;
+  bool failed = false;
+#pragma omp parallel num_threads(nt)
+  {
+    decltype(setup()) state{};
+    try {
+      state = setup();
+    } catch (...) {
+#pragma omp critical(pyattn_team_error)
+      {
+        if (!error) error = std::current_exception();
+        failed = true;
+      }
+    }
+#pragma omp barrier
+    if (!failed) work(state, Team{true});
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+// A setup for team() that needs no per-thread state.
+inline int no_state() { return 0; }
+
 constexpr double kLog2e = 1.4426950408889634074;
 constexpr double kLn2 = 0.69314718055994530942;
 

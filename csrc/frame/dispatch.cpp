@@ -3,6 +3,7 @@
 #include "frame/api.h"
 
 #include <omp.h>
+#include <pthread.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -56,6 +57,16 @@ const IsaTable* best_table() {
 
 std::atomic<const IsaTable*> g_isa{nullptr};
 std::atomic<int> g_threads{0};
+std::atomic<bool> g_team_started{false};  // this process has started an OpenMP team
+std::atomic<bool> g_forked{false};        // ...and this is a child forked after that
+
+// Runs in the child of fork(): libgomp's pool threads were not copied, and the next region of
+// more than one thread would wait on them forever. The child computes on one thread instead.
+// A child forked before any team keeps the full count (its first region makes a fresh pool).
+void on_fork_child() {
+  if (g_team_started.load(std::memory_order_relaxed)) g_forked.store(true, std::memory_order_relaxed);
+}
+[[maybe_unused]] const int g_atfork = pthread_atfork(nullptr, nullptr, on_fork_child);
 
 }  // namespace
 
@@ -83,11 +94,18 @@ int default_num_threads() {
 }
 
 int get_num_threads() {
+  if (g_forked.load(std::memory_order_relaxed)) return 1;
   int n = g_threads.load(std::memory_order_relaxed);
   return n > 0 ? n : default_num_threads();
 }
 
 void set_num_threads(int n) { g_threads.store(n, std::memory_order_relaxed); }
+
+void note_team_started() {
+  if (!g_team_started.load(std::memory_order_relaxed)) g_team_started.store(true, std::memory_order_relaxed);
+}
+
+bool forked_after_team() { return g_forked.load(std::memory_order_relaxed); }
 
 namespace {
 struct ScratchSlot {

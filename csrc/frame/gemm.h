@@ -184,22 +184,14 @@ struct Gemm {
     const index_t chunk = ceil_div(k, nch);
     T* part = static_cast<T*>(scratch(2, std::size_t(nch * m * n) * sizeof(T)));
     const int nt = int(min_of<index_t>(nthreads, nch));
-    auto run_chunk = [&](index_t ch) {
-      gemv_chunk(a, rsa, csa, b, rsb, m, n, ch * chunk, min_of<index_t>(k, (ch + 1) * chunk), part + ch * m * n);
-    };
-    if (nt <= 1) {
-      for (index_t ch = 0; ch < nch; ++ch) run_chunk(ch);
-      gemv_reduce(part, nch, m, n, c, rsc, csc, 0, n);
-      return;
-    }
-#pragma omp parallel num_threads(nt)
-    {
-#pragma omp for schedule(static)
-      for (index_t ch = 0; ch < nch; ++ch) run_chunk(ch);
-      index_t j0, j1;
-      split_range(n, omp_get_thread_num(), omp_get_num_threads(), j0, j1);
+    team(nt, no_state, [&](int, const Team& tm) {
+      tm.for_each(nch, false, [&](index_t ch) {
+        gemv_chunk(a, rsa, csa, b, rsb, m, n, ch * chunk, min_of<index_t>(k, (ch + 1) * chunk), part + ch * m * n);
+      });
+      index_t j0, j1;  // after the loop's closing barrier: every chunk is done
+      split_range(n, tm.tid(), tm.size(), j0, j1);
       gemv_reduce(part, nch, m, n, c, rsc, csc, j0, j1);
-    }
+    });
   }
 
   static void zero(T* c, index_t rsc, index_t csc, index_t m, index_t n) {
@@ -232,15 +224,23 @@ struct Gemm {
     const std::size_t asz = std::size_t(round_up(m, MR) * kc), bsz = std::size_t(kc * round_up(n, NR));
     // Many small products: one per thread, each with its own packing buffers.
     if (g.batch >= 2 * nt_all && nt_all > 1 && per < 64.0 * 64 * 64 * 64) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt_all)
-      for (index_t bi = 0; bi < g.batch; ++bi) {
-        T* ap = static_cast<T*>(scratch(0, asz * sizeof(T)));
-        T* bp = static_cast<T*>(scratch(1, bsz * sizeof(T)));
-        body(A + off(g.offa, bi), g.rsa, g.csa, B + off(g.offb, bi), g.rsb, g.csb, C + off(g.offc, bi),
-             g.rsc, g.csc, m, n, k, 0, 1, ap, bp);
-      }
+      struct Bufs {
+        T *ap, *bp;
+      };
+      team(
+          nt_all,
+          [&] {
+            return Bufs{static_cast<T*>(scratch(0, asz * sizeof(T))), static_cast<T*>(scratch(1, bsz * sizeof(T)))};
+          },
+          [&](const Bufs& buf, const Team& tm) {
+            tm.for_each(g.batch, true, [&](index_t bi) {
+              body(A + off(g.offa, bi), g.rsa, g.csa, B + off(g.offb, bi), g.rsb, g.csb, C + off(g.offc, bi), g.rsc,
+                   g.csc, m, n, k, 0, 1, buf.ap, buf.bp);
+            });
+          });
       return;
     }
+    // One product at a time, its packing buffers shared by the team.
     T* ap = static_cast<T*>(scratch(0, asz * sizeof(T)));
     T* bp = static_cast<T*>(scratch(1, bsz * sizeof(T)));
     const int nt = threads_for(per, g.nthreads);
@@ -248,13 +248,9 @@ struct Gemm {
       const T* a = A + off(g.offa, bi);
       const T* b = B + off(g.offb, bi);
       T* c = C + off(g.offc, bi);
-      if (nt <= 1) {
-        body(a, g.rsa, g.csa, b, g.rsb, g.csb, c, g.rsc, g.csc, m, n, k, 0, 1, ap, bp);
-      } else {
-#pragma omp parallel num_threads(nt)
-        body(a, g.rsa, g.csa, b, g.rsb, g.csb, c, g.rsc, g.csc, m, n, k, omp_get_thread_num(),
-             omp_get_num_threads(), ap, bp);
-      }
+      team(nt, no_state, [&](int, const Team& tm) {
+        body(a, g.rsa, g.csa, b, g.rsb, g.csb, c, g.rsc, g.csc, m, n, k, tm.tid(), tm.size(), ap, bp);
+      });
     }
   }
 };

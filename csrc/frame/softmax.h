@@ -20,13 +20,16 @@ struct Softmax {
     return mx;
   }
 
+  // out = softmax of row r. Rows written with unit stride are computed in place in out; a
+  // strided output row goes through buf (n elements), the only case that needs it.
   static void row(const SoftmaxArgs& s, index_t r, T* buf) {
     T* o = static_cast<T*>(s.out) + s.ooff[r];
     const index_t n = s.n;
     T* y = s.ocs == 1 ? o : buf;
     const T mx = load_scaled(s, r, y);
-    if (mx == -NumLimits<T>::inf) {  // no entry may be attended: zeros, not NaN
-      for (index_t j = 0; j < n; ++j) o[j * s.ocs] = T(0);
+    if (mx == -NumLimits<T>::inf) {  // no finite score: fully masked (zeros) or all NaN (NaN)
+      const T fill = has_nan(y, n) ? std::numeric_limits<T>::quiet_NaN() : T(0);
+      for (index_t j = 0; j < n; ++j) o[j * s.ocs] = fill;
       return;
     }
     const T inv = T(1) / K::exp2_sub_sum(y, n, mx);
@@ -38,20 +41,18 @@ struct Softmax {
     }
   }
 
+  static bool has_nan(const T* y, index_t n) {
+    for (index_t j = 0; j < n; ++j)
+      if (y[j] != y[j]) return true;
+    return false;
+  }
+
   static void run(const SoftmaxArgs& s) {
     if (s.rows == 0 || s.n == 0) return;
     const int nt = threads_for(double(s.rows) * double(s.n) * 8.0, s.nthreads);
-    const std::size_t bytes = std::size_t(s.n) * sizeof(T);
-    if (nt <= 1) {
-      T* buf = static_cast<T*>(scratch(0, bytes));
-      for (index_t r = 0; r < s.rows; ++r) row(s, r, buf);
-      return;
-    }
-#pragma omp parallel num_threads(nt)
-    {
-      T* buf = static_cast<T*>(scratch(0, bytes));
-#pragma omp for schedule(static)
-      for (index_t r = 0; r < s.rows; ++r) row(s, r, buf);
-    }
+    const std::size_t bytes = s.ocs == 1 ? 0 : std::size_t(s.n) * sizeof(T);
+    team(
+        nt, [&] { return bytes ? static_cast<T*>(scratch(0, bytes)) : nullptr; },
+        [&](T* buf, const Team& tm) { tm.for_each(s.rows, false, [&](index_t r) { row(s, r, buf); }); });
   }
 };

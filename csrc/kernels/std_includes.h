@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
+#include <limits>
 #include <type_traits>
 
 #include "frame/api.h"
