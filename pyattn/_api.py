@@ -169,17 +169,19 @@ def scaled_dot_product_attention(
             # query head h reads kv head h // group: each kv offset repeated group times
             koff, voff = lead_offsets(kb, nlead, group), lead_offsets(vb, nlead, group)
             ms = elem_strides(m)[-2:] if m is not None else (0, 0)
+            # Positional, in _core.pyi's order, one line per group of its names: pybind11 takes
+            # keywords at ~1.8 us a call (measured), a sixth of a small call. Debug and sanitizer
+            # builds check every extent and stride against its array (tests/test_core_boundary.py).
             _core.attention(
-                q=qb, k=kb, v=vb, out=target, bh=bh, Lq=Lq, Lk=Lk, E=E, Ev=Ev, group=group,
-                qoff=lead_offsets(qb, nlead), q_rs=elem_strides(qb)[-2],
-                koff=koff, k_rs=elem_strides(kb)[-2],
-                voff=voff, v_rs=elem_strides(vb)[-2],
-                ooff=lead_offsets(target, nlead), o_rs=elem_strides(target)[-2],
-                mask_kind=mask_kind, mask=m, moff=lead_offsets(m, nlead) if m is not None else None,
-                m_rs=ms[0], m_cs=ms[1],
-                lse=lse, lseoff=lead_offsets(lse, nlead) if lse is not None else None, lse_s=1,
-                weights=weights, woff=lead_offsets(weights, nlead) if weights is not None else None, w_rs=Lk,
-                scale=scale, causal=_CAUSAL[causal_align] if is_causal else 0,
+                qb, kb, vb, target, bh, Lq, Lk, E, Ev, group,  # q, k, v, out, bh, Lq, Lk, E, Ev, group
+                lead_offsets(qb, nlead), elem_strides(qb)[-2],  # qoff, q_rs
+                koff, elem_strides(kb)[-2],  # koff, k_rs
+                voff, elem_strides(vb)[-2],  # voff, v_rs
+                lead_offsets(target, nlead), elem_strides(target)[-2],  # ooff, o_rs
+                mask_kind, m, lead_offsets(m, nlead) if m is not None else None, ms[0], ms[1],  # mask_kind, mask, moff, m_rs, m_cs
+                lse, lead_offsets(lse, nlead) if lse is not None else None, 1,  # lse, lseoff, lse_s
+                weights, lead_offsets(weights, nlead) if weights is not None else None, Lk,  # weights, woff, w_rs
+                scale, _CAUSAL[causal_align] if is_causal else 0,  # scale, causal
             )  # fmt: skip
             if target is not result:
                 result[...] = target
@@ -225,13 +227,13 @@ def softmax(x, axis=-1, *, scale=None, mask=None, out=None):
     ts = np.moveaxis(target, ax, -1)
     nl = a.ndim - 1
     rows = math.prod(xs.shape[:-1])
-    _core.softmax(
-        x=xs, out=ts, rows=rows, n=xs.shape[-1],
-        xoff=lead_offsets(xs, nl), xcs=elem_strides(xs)[-1],
-        ooff=lead_offsets(ts, nl), ocs=elem_strides(ts)[-1],
-        mask_kind=mask_kind, mask=m, moff=lead_offsets(m, nl) if m is not None else None,
-        mcs=elem_strides(m)[-1] if m is not None else 0,
-        scale=1.0 if scale is None else float(scale),
+    _core.softmax(  # positional, in _core.pyi's order (see scaled_dot_product_attention)
+        xs, ts, rows, xs.shape[-1],  # x, out, rows, n
+        lead_offsets(xs, nl), elem_strides(xs)[-1],  # xoff, xcs
+        lead_offsets(ts, nl), elem_strides(ts)[-1],  # ooff, ocs
+        mask_kind, m, lead_offsets(m, nl) if m is not None else None,  # mask_kind, mask, moff
+        elem_strides(m)[-1] if m is not None else 0,  # mcs
+        1.0 if scale is None else float(scale),  # scale
     )  # fmt: skip
     if target is not result:
         result[...] = target
@@ -262,9 +264,10 @@ def matmul(a, b, *, out=None):
         if a.flags.aligned and b.flags.aligned and not (ra % isz or ca % isz or rb % isz or cb % isz):
             (m, k), n = a.shape, b.shape[1]
             c = np.empty((m, n), a.dtype)
-            _core.gemm(
-                a=a, b=b, c=c, m=m, n=n, k=k, rsa=ra // isz, csa=ca // isz, rsb=rb // isz, csb=cb // isz,
-                rsc=n, csc=1, batch=1, offa=None, offb=None, offc=None,
+            _core.gemm(  # positional, in _core.pyi's order (see scaled_dot_product_attention)
+                a, b, c, m, n, k,  # a, b, c, m, n, k
+                ra // isz, ca // isz, rb // isz, cb // isz, n, 1,  # rsa, csa, rsb, csb, rsc, csc
+                1, None, None, None,  # batch, offa, offb, offc
             )  # fmt: skip
             return c
     x = float_array(a, "a")
@@ -299,10 +302,11 @@ def matmul(a, b, *, out=None):
     nl = len(batch)
     nb = math.prod(batch)
     sa, sb, sc = elem_strides(xa), elem_strides(yb), elem_strides(c)
-    _core.gemm(
-        a=xa, b=yb, c=c, m=m, n=n, k=k, rsa=sa[-2], csa=sa[-1], rsb=sb[-2], csb=sb[-1], rsc=sc[-2], csc=sc[-1],
-        batch=nb, offa=lead_offsets(xa, nl) if nl else None, offb=lead_offsets(yb, nl) if nl else None,
-        offc=lead_offsets(c, nl) if nl else None,
+    _core.gemm(  # positional, in _core.pyi's order (see scaled_dot_product_attention)
+        xa, yb, c, m, n, k,  # a, b, c, m, n, k
+        sa[-2], sa[-1], sb[-2], sb[-1], sc[-2], sc[-1],  # rsa, csa, rsb, csb, rsc, csc
+        nb, lead_offsets(xa, nl) if nl else None,  # batch, offa
+        lead_offsets(yb, nl) if nl else None, lead_offsets(c, nl) if nl else None,  # offb, offc
     )  # fmt: skip
     if out is not None:
         if not direct:

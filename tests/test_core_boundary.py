@@ -116,3 +116,43 @@ def test_debug_build_refuses_a_softmax_row_past_the_end(rng):
     _core.softmax(**kw)
     with pytest.raises(IndexError, match="pyattn._core: x"):
         _core.softmax(**dict(kw, n=5))
+
+
+def _core_calls():
+    """(function name, [(line's positional args, line's comment names)]) for every _core call in
+    _api.py: the hot paths call positionally, each line commented with the names it passes."""
+    path = os.path.join(os.path.dirname(pyattn.__file__), "_api.py")
+    src = open(path).read()
+    lines = src.splitlines()
+    calls = []
+    for node in ast.walk(ast.parse(src)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "_core"
+            and node.func.attr in ("gemm", "softmax", "attention")
+        ):
+            assert not node.keywords, "call the core positionally (keywords cost ~1.8 us a call)"
+            per_line = {}
+            for a in node.args:
+                per_line.setdefault(a.lineno, []).append(a)
+            rows = []
+            for ln, args in sorted(per_line.items()):
+                comment = lines[ln - 1].split("#")[-1].strip()
+                rows.append((len(args), [n.strip() for n in comment.split(",")]))
+            calls.append((node.func.attr, rows))
+    return calls
+
+
+def test_positional_core_calls_follow_the_stub():
+    """Each line of a positional _core call names (in a comment) exactly the stub's arguments it
+    passes, in order: a swapped or missing argument shows up as a mismatch here."""
+    calls = _core_calls()
+    assert sorted({c[0] for c in calls}) == ["attention", "gemm", "softmax"]
+    stub = _stub_signatures()
+    for name, rows in calls:
+        named = [n for _, names in rows for n in names]
+        assert named == stub[name], (name, named)
+        for nargs, names in rows:
+            assert nargs == len(names), (name, names)
