@@ -10,10 +10,16 @@ build_core_package() {
   repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
   rm -rf "$work/pkg"
   mkdir -p "$work/build" "$work/pkg"
-  cmake -S "$repo" -B "$work/build" -G Ninja "$@" \
-    -DPython_EXECUTABLE="$(command -v python)" \
-    -Dpybind11_DIR="$(python -c 'import pybind11; print(pybind11.get_cmake_dir())')" >/dev/null
-  cmake --build "$work/build" >/dev/null
+  # Quiet when it works; on a failure, the first errors (or the end of the log) and where the
+  # rest is.
+  if ! { cmake -S "$repo" -B "$work/build" -G Ninja "$@" \
+           -DPython_EXECUTABLE="$(command -v python)" \
+           -Dpybind11_DIR="$(python -c 'import pybind11; print(pybind11.get_cmake_dir())')" &&
+         cmake --build "$work/build"; } >"$work/build.log" 2>&1; then
+    grep -E -m 10 -A 3 'error:|CMake Error' "$work/build.log" >&2 || tail -n 40 "$work/build.log" >&2
+    echo "error: the $what build of pyattn._core failed; full log: $work/build.log" >&2
+    return 1
+  fi
   cp -r "$repo/pyattn" "$work/pkg/"
   cp "$work/build"/_core*.so "$work/pkg/pyattn/"
   # An editable install of pyattn redirects imports to its own build ahead of PYTHONPATH; drop
