@@ -63,7 +63,8 @@ def assert_close(actual, expected, dtype=None, *, tol=None, what="result"):
         diff = np.abs(a[fin] - expected[fin])
         err = float(np.max(diff))
         if not err <= tol * scale:  # also catches NaN
-            idx = np.argwhere(fin)[int(np.nanargmax(diff)) if not np.isnan(diff).all() else 0]
+            nan = np.isnan(diff)  # a NaN where a finite value was expected is the worst
+            idx = np.argwhere(fin)[int(np.argmax(nan)) if nan.any() else int(np.argmax(diff))]
             raise AssertionError(
                 f"{what}: max abs error {err:.3e} > {tol:.0e} * {scale:.3e} "
                 f"(first worst at index {tuple(int(i) for i in idx)}: "

@@ -583,12 +583,21 @@ def test_nan_propagates(isa, dtype, rng):
 
 @dtype_param
 def test_inf_input_does_not_crash(isa, dtype, rng):
+    """An inf in a key: NaN exactly in the rows where it makes the scores +inf (as the reference),
+    the right values in the others."""
     q = randn(rng, (1, 1, 6, 8), dtype)
     k = randn(rng, (1, 1, 9, 8), dtype)
     v = randn(rng, (1, 1, 9, 8), dtype)
+    q[0, 0, :, 0] = np.abs(q[0, 0, :, 0]) * np.array([1, -1, 1, -1, -1, 1])  # both signs
     k[0, 0, 3, 0] = np.inf
-    out = sdpa(q, k, v)
-    assert out.shape == (1, 1, 6, 8)
+    kw = dict(return_lse=True)
+    got = sdpa(q, k, v, **kw)
+    with np.errstate(invalid="ignore"):
+        want = ref_sdpa(q, k, v, **kw)
+    nan_rows = q[0, 0, :, 0] > 0  # score +inf: inf - inf in the softmax
+    assert np.isnan(want[0][0, 0][nan_rows]).all() and np.isfinite(want[0][0, 0][~nan_rows]).all()
+    for name, g, w in zip(["output", "lse"], got, want):
+        assert_close(g, w, dtype, what=name)
 
 
 # --------------------------------------------------------------------------- threads, per path

@@ -1,4 +1,5 @@
-"""Property-based tests (hypothesis): invariants that hold for any input."""
+"""Property-based tests (hypothesis): invariants that hold for any input, on every kernel set
+(the ``isa`` fixture; the hypothesis profiles allow a function-scoped fixture)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def allowed_of(mask, kw, shape):
 
 
 @given(problems())
-def test_weight_rows_sum_to_one(prob):
+def test_weight_rows_sum_to_one(isa, prob):
     q, k, v, mask, kw = prob
     out, w = sdpa(q, k, v, mask, return_weights=True, **kw)
     allowed = allowed_of(mask, kw, w.shape)
@@ -71,7 +72,7 @@ def test_weight_rows_sum_to_one(prob):
 
 
 @given(problems())
-def test_masked_keys_get_exactly_zero_weight(prob):
+def test_masked_keys_get_exactly_zero_weight(isa, prob):
     q, k, v, mask, kw = prob
     out, w, lse = sdpa(q, k, v, mask, return_weights=True, return_lse=True, **kw)
     allowed = allowed_of(mask, kw, w.shape)
@@ -84,7 +85,7 @@ def test_masked_keys_get_exactly_zero_weight(prob):
 
 
 @given(problems())
-def test_matches_reference(prob):
+def test_matches_reference(isa, prob):
     q, k, v, mask, kw = prob
     got = sdpa(q, k, v, mask, return_weights=True, return_lse=True, **kw)
     want = reference.scaled_dot_product_attention(q, k, v, mask, return_weights=True,
@@ -94,7 +95,7 @@ def test_matches_reference(prob):
 
 
 @given(problems(causal=False))
-def test_output_is_convex_combination_of_values(prob):
+def test_output_is_convex_combination_of_values(isa, prob):
     q, k, v, mask, kw = prob
     out = sdpa(q, k, v, mask, **kw).astype(np.float64)
     g = q.shape[-3] // k.shape[-3]
@@ -110,7 +111,7 @@ def test_output_is_convex_combination_of_values(prob):
 
 
 @given(st.integers(1, 60), st.integers(1, 32), st.integers(1, 32), dtypes, seeds, st.data())
-def test_self_attention_is_permutation_equivariant(n, e, ev, dtype, seed, data):
+def test_self_attention_is_permutation_equivariant(isa, n, e, ev, dtype, seed, data):
     """Without positions, permuting the tokens permutes the outputs (no causal, no mask)."""
     rng = np.random.default_rng(seed)
     x = randn(rng, (n, e), dtype)
@@ -125,7 +126,7 @@ def test_self_attention_is_permutation_equivariant(n, e, ev, dtype, seed, data):
 
 
 @given(st.integers(1, 40), st.integers(1, 24), dtypes, seeds)
-def test_mha_permutation_equivariant(n, seq_e, dtype, seed):
+def test_mha_permutation_equivariant(isa, n, seq_e, dtype, seed):
     rng = np.random.default_rng(seed)
     e, h = 4 * max(1, seq_e // 4), 4
     x = randn(rng, (1, n, e), dtype)
@@ -137,7 +138,7 @@ def test_mha_permutation_equivariant(n, seq_e, dtype, seed):
 
 
 @given(problems(max_l=200, max_e=64))
-def test_one_and_two_threads_agree(prob):
+def test_one_and_two_threads_agree(isa, prob):
     q, k, v, mask, kw = prob
     with pyattn.num_threads(1):
         one = sdpa(q, k, v, mask, return_lse=True, **kw)
@@ -150,7 +151,7 @@ def test_one_and_two_threads_agree(prob):
 
 @given(st.integers(1, 16), st.integers(100, 3000), st.sampled_from([(8, 1), (8, 2), (4, 4)]),
        dtypes, seeds)
-def test_decode_threads_agree(lq, lk, heads, dtype, seed):
+def test_decode_threads_agree(isa, lq, lk, heads, dtype, seed):
     """Decode shapes (few queries, long cache): split-K across threads must merge exactly."""
     rng = np.random.default_rng(seed)
     hq, hkv = heads
@@ -168,7 +169,7 @@ def test_decode_threads_agree(lq, lk, heads, dtype, seed):
 
 
 @given(st.integers(1, 80), st.integers(1, 80), st.integers(1, 80), dtypes, seeds)
-def test_matmul_threads_agree(m, k, n, dtype, seed):
+def test_matmul_threads_agree(isa, m, k, n, dtype, seed):
     rng = np.random.default_rng(seed)
     a, b = randn(rng, (2, m, k), dtype), randn(rng, (k, n), dtype)
     with pyattn.num_threads(1):
@@ -181,7 +182,7 @@ def test_matmul_threads_agree(m, k, n, dtype, seed):
 
 
 @given(st.lists(st.integers(1, 9), min_size=1, max_size=4), dtypes, seeds, st.data())
-def test_softmax_properties(shape, dtype, seed, data):
+def test_softmax_properties(isa, shape, dtype, seed, data):
     rng = np.random.default_rng(seed)
     x = randn(rng, tuple(shape), dtype, scale=5.0)
     axis = data.draw(st.integers(-len(shape), len(shape) - 1))
@@ -197,7 +198,7 @@ def test_softmax_properties(shape, dtype, seed, data):
 
 
 @given(problems(max_l=40, max_e=16, gqa=False))
-def test_lse_consistent_with_weights(prob):
+def test_lse_consistent_with_weights(isa, prob):
     """weights == exp(scaled masked scores - lse) on the allowed keys."""
     q, k, v, mask, kw = prob
     out, w, lse = sdpa(q, k, v, mask, return_weights=True, return_lse=True, **kw)
@@ -212,7 +213,7 @@ def test_lse_consistent_with_weights(prob):
     np.testing.assert_allclose(w, recon, rtol=0, atol=20 * tol)
 
 
-def test_concurrent_python_threads():
+def test_concurrent_python_threads(isa):
     """Calls from several Python threads are safe and give the same results."""
     rng = np.random.default_rng(0)
     jobs = []
@@ -243,7 +244,7 @@ def test_concurrent_python_threads():
         np.testing.assert_array_equal(r, expected[i % len(jobs)])
 
 
-def test_concurrent_threads_with_thread_setting():
+def test_concurrent_threads_with_thread_setting(isa):
     """num_threads in one Python thread while another computes: results stay right."""
     rng = np.random.default_rng(1)
     q = randn(rng, (1, 8, 64, 32), np.float64)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -85,14 +87,32 @@ def test_sinusoidal_d2(lib):
     close4(pe[2], [0.9093, -0.4161])
 
 
-def test_attention_parameter_count():
-    d_model = 512
-    assert 4 * d_model**2 == 1_048_576
-    mha = pyattn.MultiHeadAttention(d_model, 8, bias=False, rng=np.random.default_rng(0))
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("kw", [{}, {"num_kv_heads": 2}, {"kdim": 96, "vdim": 80}],
+                         ids=["packed", "gqa", "kdim_vdim"])
+def test_attention_parameter_count(bias, kw):
+    """The seeds' count: W_q, W_k, W_v, W_o of d_model x d_model (4 d_model^2, ~1M at 512),
+    derived from the layer's shapes and checked against its state_dict and num_parameters()."""
+    d_model, heads = 512, 8
+    mha = pyattn.MultiHeadAttention(d_model, heads, bias=bias, rng=np.random.default_rng(0), **kw)
+    kv = kw.get("num_kv_heads", heads) * (d_model // heads)  # width of the k and v projections
+    kdim, vdim = kw.get("kdim", d_model), kw.get("vdim", d_model)
+    if not kw:  # torch packs q, k, v into one in_proj_weight
+        shapes = {"in_proj_weight": (3 * d_model, d_model)}
+    else:
+        shapes = {"q_proj_weight": (d_model, d_model), "k_proj_weight": (kv, kdim),
+                  "v_proj_weight": (kv, vdim)}
+    shapes["out_proj.weight"] = (d_model, d_model)
+    if bias:
+        shapes["in_proj_bias"] = (d_model + 2 * kv,)
+        shapes["out_proj.bias"] = (d_model,)
     sd = mha.state_dict()
-    assert sum(int(np.asarray(v).size) for v in sd.values()) == 1_048_576
-    with_bias = pyattn.MultiHeadAttention(d_model, 8, rng=np.random.default_rng(0)).state_dict()
-    assert sum(int(np.asarray(v).size) for v in with_bias.values()) == 1_048_576 + 4 * d_model
+    assert {k: np.shape(v) for k, v in sd.items()} == shapes
+    count = sum(math.prod(s) for s in shapes.values())
+    assert mha.num_parameters() == count
+    assert sum(int(np.asarray(v).size) for v in sd.values()) == count
+    if not kw and not bias:  # the seeds' figure
+        assert count == 4 * d_model**2
 
 
 # --------------------------------------------------------------------------- "The cat sat down"
