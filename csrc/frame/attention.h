@@ -318,13 +318,17 @@ struct Attention {
   PYATTN_PHASE void finish_panel(index_t bh, index_t q0, index_t kend, Tile& t) const {
     const index_t qc = min_of<index_t>(NR, a.Lq - q0);
     T* o = out + a.ooff[bh] + q0 * a.o_rs;
-    for (int c = 0; c < NR; ++c) t.inv[c] = t.l[c] > T(0) ? T(1) / t.l[c] : T(0);
+    for (int c = 0; c < NR; ++c) t.inv[c] = inv_of(t.l[c]);
     scale_acc(t, t.inv);
     K::transpose(t.acc, NR, a.Ev, qc, o, a.o_rs);
     if (lse)
       for (index_t c = 0; c < qc; ++c) lse[a.lseoff[bh] + (q0 + c) * a.lse_s] = lse_of(t.m[c], t.l[c]);
     if (weights) weights_panel(bh, q0, qc, kend, t);
   }
+
+  // 1 / l; 0 where no key was visible (l = 0); NaN where l is NaN (a NaN or inf score), so that
+  // the weights are NaN wherever the output is, as in the reference.
+  static T inv_of(T l) { return l > T(0) ? T(1) / l : l == T(0) ? T(0) : l; }
 
   static T lse_of(T m, T l) {
     if (!(l > T(0))) return l == T(0) ? -kInf : l;  // no visible key, or NaN
@@ -441,7 +445,7 @@ struct Attention {
   void finish_row(index_t g, index_t x, const T* acc, T m, T l) const {
     const index_t h = g * a.group + x / a.Lq, qi = x % a.Lq;
     T* orow = out + a.ooff[h] + qi * a.o_rs;
-    const T inv = l > T(0) ? T(1) / l : T(0);
+    const T inv = inv_of(l);
     for (index_t d = 0; d < a.Ev; ++d) orow[d] = acc[d] * inv;
     if (lse) lse[a.lseoff[h] + qi * a.lse_s] = lse_of(m, l);
   }

@@ -61,13 +61,14 @@ struct GenericKernels {
     }
   }
   //   x[i] = exp2(x[i] - sub); return sum(x)
+  // Summed in double (see the x86 kernels: a float running sum drifts on long rows).
   static T exp2_sub_sum(T* x, index_t n, T sub) {
-    T s = T(0);
+    double s = 0.0;
     for (index_t i = 0; i < n; ++i) {
       x[i] = std::exp2(x[i] - sub);
-      s += x[i];
+      s += double(x[i]);
     }
-    return s;
+    return T(s);
   }
 };
 
