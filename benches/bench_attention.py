@@ -14,13 +14,12 @@ import functools
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+import peers
 import pytest
+from benchutil import assert_close, normal, pyattn_threads, rng_for, run_timed, smoke_mode
 
 import pyattn
 from pyattn import reference
-
-import peers
-from benchutil import assert_close, normal, pyattn_threads, rng_for, run_timed, smoke_mode
 
 IMPLS = ("pyattn", "numpy_ref", "torch", "onnxruntime")
 REL_TOL = 2e-5  # float32 result vs the float64 oracle, relative to max |oracle|
@@ -107,8 +106,8 @@ def pytest_generate_tests(metafunc):
         cases = [c.small() if small else c for c in CASES]
         metafunc.parametrize(
             ("case", "impl"),
-            [pytest.param(c, impl, id=f"{c.name.replace(' ', '_')}-{impl}")
-             for c in cases for impl in IMPLS])
+            [pytest.param(c, impl, id=f"{c.name.replace(' ', '_')}-{impl}") for c in cases for impl in IMPLS],
+        )
 
 
 @functools.lru_cache(maxsize=1)
@@ -131,7 +130,7 @@ def _check_plan(case: Case):
     nkv = min(2, case.hkv)
     qh = slice(case.hq - nkv * g, case.hq)
     kvh = slice(case.hkv - nkv, case.hkv)
-    rows = slice(None) if case.lq <= 256 else np.r_[0:64, case.lq - 192:case.lq]
+    rows = slice(None) if case.lq <= 256 else np.r_[0:64, case.lq - 192 : case.lq]
     return lead, qh, kvh, rows
 
 
@@ -162,13 +161,13 @@ def check(case: Case, out, what: str) -> None:
 
 def test_attention(benchmark, case: Case, impl: str):
     benchmark.group = f"attention {case.name}"
-    benchmark.extra_info.update(kind="attention", impl=impl, flops=case.flops, bytes=case.bytes,
-                                shape=case.name)
+    benchmark.extra_info.update(kind="attention", impl=impl, flops=case.flops, bytes=case.bytes, shape=case.name)
     q, k, v = inputs(case)
     kw = {"enable_gqa": True} if case.gqa else {}
     finish = np.asarray
 
     if impl == "pyattn":
+
         def fn():
             return pyattn.scaled_dot_product_attention(q, k, v, is_causal=case.causal, **kw)
     elif impl == "numpy_ref":
@@ -177,9 +176,9 @@ def test_attention(benchmark, case: Case, impl: str):
             return reference.scaled_dot_product_attention(q, k, v, is_causal=case.causal, **kw)
     else:
         try:
-            prepared = peers.ATTENTION_PEERS[impl](q, k, v, is_causal=case.causal,
-                                                   enable_gqa=case.gqa,
-                                                   num_threads=pyattn_threads())
+            prepared = peers.ATTENTION_PEERS[impl](
+                q, k, v, is_causal=case.causal, enable_gqa=case.gqa, num_threads=pyattn_threads()
+            )
         except peers.Unsupported as exc:
             pytest.skip(f"{impl}: {exc}")
         fn, finish = prepared.run, prepared.finish

@@ -11,10 +11,9 @@ import functools
 
 import numpy as np
 import pytest
+from benchutil import assert_close, normal, rng_for, run_timed
 
 import pyattn
-
-from benchutil import assert_close, normal, rng_for, run_timed
 
 IMPLS = ("pyattn", "numpy")
 
@@ -53,8 +52,9 @@ def oracle(case) -> np.ndarray:
 def test_matmul(benchmark, case, impl):
     m, k, n, dtype = case
     benchmark.group = f"matmul {_name(case)}"
-    benchmark.extra_info.update(kind="matmul", impl=impl, flops=2.0 * m * k * n,
-                                bytes=np.dtype(dtype).itemsize * (m * k + k * n + m * n))
+    benchmark.extra_info.update(
+        kind="matmul", impl=impl, flops=2.0 * m * k * n, bytes=np.dtype(dtype).itemsize * (m * k + k * n + m * n)
+    )
     a, b = inputs(case)
     fn = pyattn.matmul if impl == "pyattn" else np.matmul
     out = run_timed(benchmark, lambda: fn(a, b))

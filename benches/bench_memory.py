@@ -3,11 +3,11 @@
 The target (docs/performance.md): pyattn's scratch is bounded by threads x tile size,
 independent of L (no L x L buffer unless the weights are asked for), where the reference
 materialises the Lq x Lk scores.  Peak RSS is per process, so each measurement runs in a fresh
-interpreter: make the inputs (and the
-peer's session / transposed copies), warm up on a tiny problem, read the peak RSS, call once on
-the real shape, read it again (Linux: the peak is reset to the current RSS through
-/proc/self/clear_refs first, so it is the call's own peak).  ``extra_info["extra_peak_mib"]`` is the difference (the output
-included); the time pytest-benchmark records here is the whole subprocess and means nothing.
+interpreter: make the inputs (and the peer's session / transposed copies), warm up on a tiny
+problem, read the peak RSS, call once on the real shape, read it again (Linux: the peak is reset
+to the current RSS through /proc/self/clear_refs first, so it is the call's own peak).
+``extra_info["extra_peak_mib"]`` is the difference (the output included); the time
+pytest-benchmark records here is the whole subprocess and means nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from benchutil import pyattn_threads, smoke_mode
 
 HERE = Path(__file__).resolve().parent
@@ -74,9 +73,14 @@ print(json.dumps({"extra_peak_mib": (after - before) / 1024.0}))
 def measure(impl: str, L: int, threads: int) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", CHILD, impl, str(L), str(H), str(D),
-                           str(threads)], cwd=HERE, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, impl, str(L), str(H), str(D), str(threads)],
+        cwd=HERE,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, f"{impl} L={L} failed:\n{proc.stderr[-3000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -94,6 +98,5 @@ def test_peak_memory(benchmark, length, impl):
     if "skip" in result:
         pytest.skip(f"{impl}: {result['skip']}")
     extra = result["extra_peak_mib"]
-    benchmark.extra_info.update(kind="memory", impl=impl, extra_peak_mib=extra,
-                                output_mib=H * length * D * 4 / 2**20)
+    benchmark.extra_info.update(kind="memory", impl=impl, extra_peak_mib=extra, output_mib=H * length * D * 4 / 2**20)
     assert extra >= 0

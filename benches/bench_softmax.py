@@ -10,13 +10,12 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import peers
 import pytest
+from benchutil import assert_close, normal, pyattn_threads, rng_for, run_timed
 
 import pyattn
 from pyattn import reference
-
-import peers
-from benchutil import assert_close, normal, pyattn_threads, rng_for, run_timed
 
 B, H, L = 8, 12, 512
 MASKS = ("none", "bool_causal", "float_padding")
@@ -74,9 +73,11 @@ def test_softmax(benchmark, kind, impl):
     x, mask = operands(kind)
     finish = np.asarray
     if impl == "pyattn":
+
         def fn():
             return pyattn.softmax(x, mask=mask)
     elif impl == "numpy":
+
         def fn():
             return numpy_softmax(x, mask)
     else:

@@ -45,8 +45,7 @@ def assert_close(got, expected, rel: float, what: str) -> None:
     scale = float(np.max(np.abs(expected))) if expected.size else 0.0
     err = float(np.max(np.abs(got.astype(np.float64) - expected))) if expected.size else 0.0
     assert np.isfinite(err), f"{what}: non-finite values in the result"
-    assert err <= rel * scale + 1e-30, (
-        f"{what}: max abs error {err:.3g} > {rel:g} * max|ref| ({scale:.3g})")
+    assert err <= rel * scale + 1e-30, f"{what}: max abs error {err:.3g} > {rel:g} * max|ref| ({scale:.3g})"
 
 
 SETTLE_S = 0.3

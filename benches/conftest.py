@@ -29,9 +29,12 @@ OPENBLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 
 def pytest_addoption(parser):
     parser.addoption(
-        "--bench-size", choices=("auto", "full", "smoke"), default="auto",
+        "--bench-size",
+        choices=("auto", "full", "smoke"),
+        default="auto",
         help="benches: 'full' = the measured shapes, 'smoke' = small shapes; 'auto' (default) = "
-             "smoke under --benchmark-disable, full otherwise.")
+        "smoke under --benchmark-disable, full otherwise.",
+    )
 
 
 def pytest_collect_file(file_path, parent):
@@ -39,7 +42,8 @@ def pytest_collect_file(file_path, parent):
     if file_path.suffix != ".py" or not fnmatch.fnmatch(file_path.name, "bench_*.py"):
         return None
     if parent.session.isinitpath(file_path) or any(
-            fnmatch.fnmatch(file_path.name, pat) for pat in parent.config.getini("python_files")):
+        fnmatch.fnmatch(file_path.name, pat) for pat in parent.config.getini("python_files")
+    ):
         return None  # the python plugin collects it already (named on the command line, or
         # matched by python_files)
     return pytest.Module.from_parent(parent, path=file_path)
@@ -52,9 +56,11 @@ def openblas_info() -> list:
     except ImportError:
         return []
     np.matmul(np.ones((2, 2)), np.ones((2, 2)))  # make sure NumPy's BLAS is loaded
-    return [{k: d.get(k) for k in ("internal_api", "architecture", "num_threads", "version",
-                                   "filepath")}
-            for d in threadpool_info() if d.get("user_api") == "blas"]
+    return [
+        {k: d.get(k) for k in ("internal_api", "architecture", "num_threads", "version", "filepath")}
+        for d in threadpool_info()
+        if d.get("user_api") == "blas"
+    ]
 
 
 def pyattn_config() -> str:
@@ -123,22 +129,27 @@ def pytest_report_header(config):
     lines = []
     blas = openblas_info()
     if blas:
-        lines.append("benches: NumPy BLAS: " + "; ".join(
-            f"{d['internal_api']} {d['version']} core={d['architecture']} "
-            f"threads={d['num_threads']}" for d in blas))
+        lines.append(
+            "benches: NumPy BLAS: "
+            + "; ".join(
+                f"{d['internal_api']} {d['version']} core={d['architecture']} threads={d['num_threads']}" for d in blas
+            )
+        )
     set_vars = [f"{v}={os.environ[v]}" for v in OPENBLAS_VARS if v in os.environ]
     if set_vars and not config.getoption("benchmark_disable", False):
-        lines.append("benches: WARNING " + " ".join(set_vars) + " is set: NumPy's OpenBLAS uses "
-                     "an old kernel; run with `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE` "
-                     "for a fair NumPy peer (docs/performance.md)")
+        lines.append(
+            "benches: WARNING " + " ".join(set_vars) + " is set: NumPy's OpenBLAS uses "
+            "an old kernel; run with `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE` "
+            "for a fair NumPy peer (docs/performance.md)"
+        )
     return lines
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):
     """Record what the report needs to read the numbers: BLAS core, threads, versions, peak."""
-    import pyattn
-
     from peers import versions
+
+    import pyattn
 
     machine_info["pyattn"] = {
         "version": getattr(pyattn, "__version__", None),

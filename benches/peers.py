@@ -54,8 +54,8 @@ def _torch():
 @functools.lru_cache(maxsize=None)
 def _ort():
     try:
-        import onnxruntime
         import onnx  # noqa: F401  (builds the one-node model)
+        import onnxruntime
     except Exception as exc:
         raise Unsupported(f"onnxruntime/onnx not importable: {exc}") from None
     return onnxruntime
@@ -101,6 +101,7 @@ def prepare_torch_softmax(x, mask, *, num_threads) -> Prepared:
     torch = torch_set_threads(num_threads)
     tx = torch.from_numpy(x)
     if mask is None:
+
         def run():
             return torch.softmax(tx, dim=-1)
     elif mask.dtype == np.bool_:
@@ -113,6 +114,7 @@ def prepare_torch_softmax(x, mask, *, num_threads) -> Prepared:
 
         def run():
             return torch.softmax(tx + tm, dim=-1)
+
     return Prepared(run, lambda t: t.numpy(), "torch.softmax")
 
 
@@ -133,18 +135,22 @@ def _mha_session(B, Lq, Lk, H, E, Ev, causal, num_threads):
     from onnx import TensorProto, helper
 
     f = TensorProto.FLOAT
-    inputs = [helper.make_tensor_value_info("query", f, [B, Lq, H * E]),
-              helper.make_tensor_value_info("key", f, [B, Lk, H * E]),
-              helper.make_tensor_value_info("value", f, [B, Lk, H * Ev])]
+    inputs = [
+        helper.make_tensor_value_info("query", f, [B, Lq, H * E]),
+        helper.make_tensor_value_info("key", f, [B, Lk, H * E]),
+        helper.make_tensor_value_info("value", f, [B, Lk, H * Ev]),
+    ]
     outputs = [helper.make_tensor_value_info("output", f, [B, Lq, H * Ev])]
     attrs = {"num_heads": H}
     if causal:
         attrs["unidirectional"] = 1
-    node = helper.make_node("MultiHeadAttention", ["query", "key", "value"], ["output"],
-                            domain="com.microsoft", **attrs)
-    model = helper.make_model(helper.make_graph([node], "mha", inputs, outputs),
-                              opset_imports=[helper.make_opsetid("", 17),
-                                             helper.make_opsetid("com.microsoft", 1)])
+    node = helper.make_node(
+        "MultiHeadAttention", ["query", "key", "value"], ["output"], domain="com.microsoft", **attrs
+    )
+    model = helper.make_model(
+        helper.make_graph([node], "mha", inputs, outputs),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+    )
     return _session(model.SerializeToString(), num_threads)
 
 
@@ -155,21 +161,28 @@ def _gqa_session(B, Hq, Hkv, past, D, num_threads):
     from onnx import TensorProto, helper
 
     f, i32 = TensorProto.FLOAT, TensorProto.INT32
-    inputs = [helper.make_tensor_value_info("query", f, [B, 1, Hq * D]),
-              helper.make_tensor_value_info("key", f, [B, 1, Hkv * D]),
-              helper.make_tensor_value_info("value", f, [B, 1, Hkv * D]),
-              helper.make_tensor_value_info("past_key", f, [B, Hkv, past, D]),
-              helper.make_tensor_value_info("past_value", f, [B, Hkv, past, D]),
-              helper.make_tensor_value_info("seqlens_k", i32, [B]),
-              helper.make_tensor_value_info("total_sequence_length", i32, [])]
-    outputs = [helper.make_tensor_value_info(n, f, None)
-               for n in ("output", "present_key", "present_value")]
-    node = helper.make_node("GroupQueryAttention", [t.name for t in inputs],
-                            [t.name for t in outputs], domain="com.microsoft",
-                            num_heads=Hq, kv_num_heads=Hkv)
-    model = helper.make_model(helper.make_graph([node], "gqa", inputs, outputs),
-                              opset_imports=[helper.make_opsetid("", 17),
-                                             helper.make_opsetid("com.microsoft", 1)])
+    inputs = [
+        helper.make_tensor_value_info("query", f, [B, 1, Hq * D]),
+        helper.make_tensor_value_info("key", f, [B, 1, Hkv * D]),
+        helper.make_tensor_value_info("value", f, [B, 1, Hkv * D]),
+        helper.make_tensor_value_info("past_key", f, [B, Hkv, past, D]),
+        helper.make_tensor_value_info("past_value", f, [B, Hkv, past, D]),
+        helper.make_tensor_value_info("seqlens_k", i32, [B]),
+        helper.make_tensor_value_info("total_sequence_length", i32, []),
+    ]
+    outputs = [helper.make_tensor_value_info(n, f, None) for n in ("output", "present_key", "present_value")]
+    node = helper.make_node(
+        "GroupQueryAttention",
+        [t.name for t in inputs],
+        [t.name for t in outputs],
+        domain="com.microsoft",
+        num_heads=Hq,
+        kv_num_heads=Hkv,
+    )
+    model = helper.make_model(
+        helper.make_graph([node], "gqa", inputs, outputs),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+    )
     return _session(model.SerializeToString(), num_threads)
 
 
@@ -195,18 +208,20 @@ def prepare_ort_attention(q, k, v, *, is_causal, enable_gqa, num_threads) -> Pre
 
     if Hq == Hkv:
         if is_causal and Lq != Lk:
-            raise Unsupported("onnxruntime's unidirectional mask with Lq != Lk matches neither "
-                              "top-left nor bottom-right causal alignment")
+            raise Unsupported(
+                "onnxruntime's unidirectional mask with Lq != Lk matches neither "
+                "top-left nor bottom-right causal alignment"
+            )
         sess = _mha_session(B, Lq, Lk, Hq, E, Ev, bool(is_causal), num_threads)
         feeds = {"query": _to_blc(q4), "key": _to_blc(k4), "value": _to_blc(v4)}
-        return Prepared(lambda: sess.run(["output"], feeds)[0], to_lead,
-                        "com.microsoft MultiHeadAttention")
+        return Prepared(lambda: sess.run(["output"], feeds)[0], to_lead, "com.microsoft MultiHeadAttention")
 
     # Grouped-query: only ORT's GroupQueryAttention takes Hq != Hkv; it is a causal KV-cache op,
     # so it computes our case exactly when one new query token attends the whole cache.
     if Lq != 1 or is_causal or E != Ev or Lk < 2:
-        raise Unsupported("onnxruntime GroupQueryAttention is benchmarked for decode only "
-                          "(Lq == 1, non-causal, E == Ev)")
+        raise Unsupported(
+            "onnxruntime GroupQueryAttention is benchmarked for decode only (Lq == 1, non-causal, E == Ev)"
+        )
     sess = _gqa_session(B, Hq, Hkv, Lk - 1, E, num_threads)
     feeds = {
         "query": _to_blc(q4),
@@ -217,8 +232,11 @@ def prepare_ort_attention(q, k, v, *, is_causal, enable_gqa, num_threads) -> Pre
         "seqlens_k": np.full((B,), Lk - 1, dtype=np.int32),  # total length - 1, per batch
         "total_sequence_length": np.array(Lk, dtype=np.int32),
     }
-    return Prepared(lambda: sess.run(["output"], feeds)[0], to_lead,
-                    "com.microsoft GroupQueryAttention (past KV + 1 token; writes present KV)")
+    return Prepared(
+        lambda: sess.run(["output"], feeds)[0],
+        to_lead,
+        "com.microsoft GroupQueryAttention (past KV + 1 token; writes present KV)",
+    )
 
 
 ATTENTION_PEERS = {

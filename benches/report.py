@@ -35,8 +35,17 @@ def run_benches(json_path: Path, pytest_args: list, keep_env: bool) -> int:
     if not keep_env:
         for var in OPENBLAS_VARS:
             env.pop(var, None)
-    cmd = [sys.executable, "-m", "pytest", str(HERE), f"--benchmark-json={json_path}",
-           "-p", "no:cacheprovider", "-q", *pytest_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(HERE),
+        f"--benchmark-json={json_path}",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        *pytest_args,
+    ]
     print("running:", " ".join(cmd), file=sys.stderr, flush=True)
     # From an empty directory: `python -m` puts the cwd on sys.path, so the installed pyattn is
     # imported, and pytest-benchmark's .benchmarks/ storage lands there, not in the tree.
@@ -55,37 +64,49 @@ def impl_of(bench: dict) -> str:
 def header(data: dict) -> list:
     mi = data.get("machine_info", {})
     pa = mi.get("pyattn", {})
-    lines = [f"- machine: {mi.get('cpu', {}).get('brand_raw', '?')}, "
-             f"{mi.get('cpu', {}).get('count', '?')} logical CPUs; run {data.get('datetime', '?')}",
-             f"- pyattn {pa.get('version')} ({pa.get('file')}), {pa.get('num_threads')} threads"]
+    lines = [
+        f"- machine: {mi.get('cpu', {}).get('brand_raw', '?')}, "
+        f"{mi.get('cpu', {}).get('count', '?')} logical CPUs; run {data.get('datetime', '?')}",
+        f"- pyattn {pa.get('version')} ({pa.get('file')}), {pa.get('num_threads')} threads",
+    ]
     cfg = [x.strip() for x in (pa.get("config") or "").splitlines() if x.strip()]
     keep = [x for x in cfg if x.split(":")[0].strip() in ("isa", "compiler", "threads")]
     if cfg:
         lines.append("- pyattn config: " + " | ".join(" ".join(x.split()) for x in keep or cfg))
     for blas in mi.get("blas", []):
-        lines.append(f"- NumPy {mi.get('numpy')} BLAS: {blas.get('internal_api')} "
-                     f"{blas.get('version')}, core type **{blas.get('architecture')}**, "
-                     f"{blas.get('num_threads')} threads")
+        lines.append(
+            f"- NumPy {mi.get('numpy')} BLAS: {blas.get('internal_api')} "
+            f"{blas.get('version')}, core type **{blas.get('architecture')}**, "
+            f"{blas.get('num_threads')} threads"
+        )
     env = mi.get("openblas_env", {})
     set_vars = {k: v for k, v in env.items() if v is not None}
     if set_vars:
-        lines.append(f"- WARNING: {set_vars} was set in the benchmark process: NumPy used an old "
-                     "kernel (rerun with `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE`)")
+        lines.append(
+            f"- WARNING: {set_vars} was set in the benchmark process: NumPy used an old "
+            "kernel (rerun with `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE`)"
+        )
     peers = mi.get("peers", {})
     lines.append("- peers: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in peers.items()))
     peak = mi.get("sgemm_peak_gflops")
-    lines.append(f"- sgemm peak (NumPy float32 2048^3, best of 7 at the start and at the end, in the "
-                 f"benchmark process): "
-                 f"{_fmt(peak, '.0f')} GFLOP/s")
+    lines.append(
+        f"- sgemm peak (NumPy float32 2048^3, best of 7 at the start and at the end, in the "
+        f"benchmark process): "
+        f"{_fmt(peak, '.0f')} GFLOP/s"
+    )
     bw = mi.get("read_gbs")
-    lines.append(f"- memory read bandwidth (NumPy sums of a 512 MiB array in "
-                 f"{pa.get('num_threads')} threads, best of 5 at the start and at the end): "
-                 f"{_fmt(bw, '.1f')} GB/s")
+    lines.append(
+        f"- memory read bandwidth (NumPy sums of a 512 MiB array in "
+        f"{pa.get('num_threads')} threads, best of 5 at the start and at the end): "
+        f"{_fmt(bw, '.1f')} GB/s"
+    )
     load = mi.get("loadavg_end")
     if load:
-        lines.append(f"- load average at the end (1/5/15 min): {load[0]:.2f} / {load[1]:.2f} / "
-                     f"{load[2]:.2f} (this run alone keeps it near the thread count; more means "
-                     "other work shared the cores and the times are noisier)")
+        lines.append(
+            f"- load average at the end (1/5/15 min): {load[0]:.2f} / {load[1]:.2f} / "
+            f"{load[2]:.2f} (this run alone keeps it near the thread count; more means "
+            "other work shared the cores and the times are noisier)"
+        )
     return lines
 
 
@@ -99,8 +120,7 @@ def memory_table(by_impl: dict) -> list:
     for impl in _impls(by_impl):
         ex = by_impl[impl]["extra_info"]
         ratio = ex["extra_peak_mib"] / base if base else None
-        rows.append(f"| {impl} | {ex['extra_peak_mib']:.1f} | {ex.get('output_mib', 0):.1f} | "
-                    f"{_fmt(ratio, '.1f')} |")
+        rows.append(f"| {impl} | {ex['extra_peak_mib']:.1f} | {ex.get('output_mib', 0):.1f} | {_fmt(ratio, '.1f')} |")
     return rows
 
 
@@ -150,10 +170,14 @@ def attention_summary(groups: dict, peak, bw=None) -> list:
         t = base["stats"]["median"]
         ex = base["extra_info"]
         gflops = ex["flops"] / t / 1e9
-        cells = [ex.get("shape", name), f"{t * 1e3:.3f}", f"{gflops:.1f}",
-                 f"{ex['bytes'] / t / 1e9:.1f}",
-                 _fmt(100 * gflops / peak if peak else None, ".0f"),
-                 _fmt(100 * ex["bytes"] / t / 1e9 / bw if bw else None, ".0f")]
+        cells = [
+            ex.get("shape", name),
+            f"{t * 1e3:.3f}",
+            f"{gflops:.1f}",
+            f"{ex['bytes'] / t / 1e9:.1f}",
+            _fmt(100 * gflops / peak if peak else None, ".0f"),
+            _fmt(100 * ex["bytes"] / t / 1e9 / bw if bw else None, ".0f"),
+        ]
         for p in peers:
             pb = by_impl.get(p)
             cells.append(_fmt(pb["stats"]["median"] / t if pb else None, ".2f"))
@@ -167,8 +191,11 @@ def report(data: dict) -> str:
         groups.setdefault(b.get("group") or b["name"], []).append(b)
     peak = data.get("machine_info", {}).get("sgemm_peak_gflops")
     out = ["# pyattn benchmarks", ""] + header(data) + [""]
-    out += ["Medians of pytest-benchmark; `peer / pyattn` = peer median / pyattn median "
-            "(above 1: pyattn is faster); `—`: not run (skipped, see the pytest output).", ""]
+    out += [
+        "Medians of pytest-benchmark; `peer / pyattn` = peer median / pyattn median "
+        "(above 1: pyattn is faster); `—`: not run (skipped, see the pytest output).",
+        "",
+    ]
     summary = attention_summary(groups, peak, data.get("machine_info", {}).get("read_gbs"))
     if summary:
         out += ["## attention summary (pyattn, and its speed-up over each peer)", ""] + summary
@@ -179,12 +206,14 @@ def report(data: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--json", type=Path, help="read this pytest-benchmark json instead of running")
     ap.add_argument("--save", type=Path, help="keep the json of this run here")
-    ap.add_argument("--keep-openblas-env", action="store_true",
-                    help="do not unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE for the run")
+    ap.add_argument(
+        "--keep-openblas-env", action="store_true", help="do not unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE for the run"
+    )
     args, pytest_args = ap.parse_known_args(argv)
 
     rc = 0

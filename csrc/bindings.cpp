@@ -35,8 +35,8 @@ int dt(const py::array& a) { return a.itemsize() == 4 ? 0 : 1; }
 // Python layer, which is the one place that validates.
 #ifdef PYATTN_DEBUG_CHECKS
 constexpr bool kDebugChecks = true;
-#define PYATTN_DEBUG_CHECK(cond, what) \
-  do {                                 \
+#define PYATTN_DEBUG_CHECK(cond, what)                                            \
+  do {                                                                            \
     if (!(cond)) throw std::out_of_range(std::string("pyattn._core: ") + (what)); \
   } while (0)
 
@@ -113,8 +113,10 @@ PYBIND11_MODULE(_core, m) {
         check_matrices("b", b, offb, batch, k, rsb, n, csb);
         check_matrices("c", c, offc, batch, m_, rsc, n, csc);
 #endif
+        // clang-format off: one line per pointer and its strides, as in api.h
         pyattn::GemmArgs g{m_, n, k, cptr(a), rsa, csa, cptr(b), rsb, csb, mptr(c), rsc, csc,
                            batch, offs(offa), offs(offb), offs(offc), pyattn::get_num_threads()};
+        // clang-format on
         py::gil_scoped_release nogil;
         pyattn::active_isa().gemm[dt(c)](g);
       },
@@ -139,25 +141,26 @@ PYBIND11_MODULE(_core, m) {
         check_matrices("out", out, ooff, rows, 1, 0, n, ocs);
         check_matrices("mask", mask, moff, rows, 1, 0, n, mcs);
 #endif
+        // clang-format off: one line per pointer and its strides, as in api.h
         pyattn::SoftmaxArgs s{rows, n, cptr(x), offs(xoff), xcs, mptr(out), offs(ooff), ocs,
                               pyattn::MaskKind(mask_kind), opt_cptr(mask), offs(moff), mcs, scale,
                               pyattn::get_num_threads()};
+        // clang-format on
         py::gil_scoped_release nogil;
         pyattn::active_isa().softmax[dt(out)](s);
       },
       "out row r = softmax(x row r * scale + mask row r), rows at the given offsets.", py::arg("x"), py::arg("out"),
       py::arg("rows"), py::arg("n"), py::arg("xoff"), py::arg("xcs"), py::arg("ooff"), py::arg("ocs"),
-      py::arg("mask_kind"), py::arg("mask").none(true), py::arg("moff").none(true), py::arg("mcs"),
-      py::arg("scale"));
+      py::arg("mask_kind"), py::arg("mask").none(true), py::arg("moff").none(true), py::arg("mcs"), py::arg("scale"));
 
   m.def(
       "attention",
-      [](const py::array& q, const py::array& k, const py::array& v, py::array& out, index_t bh, index_t Lq,
-         index_t Lk, index_t E, index_t Ev, index_t group, const py::object& qoff, index_t q_rs,
-         const py::object& koff, index_t k_rs, const py::object& voff, index_t v_rs, const py::object& ooff,
-         index_t o_rs, int mask_kind, const py::object& mask, const py::object& moff, index_t m_rs, index_t m_cs,
-         const py::object& lse, const py::object& lseoff, index_t lse_s, const py::object& weights,
-         const py::object& woff, index_t w_rs, double scale, int causal) {
+      [](const py::array& q, const py::array& k, const py::array& v, py::array& out, index_t bh, index_t Lq, index_t Lk,
+         index_t E, index_t Ev, index_t group, const py::object& qoff, index_t q_rs, const py::object& koff,
+         index_t k_rs, const py::object& voff, index_t v_rs, const py::object& ooff, index_t o_rs, int mask_kind,
+         const py::object& mask, const py::object& moff, index_t m_rs, index_t m_cs, const py::object& lse,
+         const py::object& lseoff, index_t lse_s, const py::object& weights, const py::object& woff, index_t w_rs,
+         double scale, int causal) {
 #ifdef PYATTN_DEBUG_CHECKS
         check_same_dtype(out, {{"q", &q}, {"k", &k}, {"v", &v}, {"lse", &lse}, {"weights", &weights}});
         PYATTN_DEBUG_CHECK(!qoff.is_none() && !koff.is_none() && !voff.is_none() && !ooff.is_none(),
@@ -176,6 +179,7 @@ PYBIND11_MODULE(_core, m) {
         check_matrices("lse", lse, lseoff, bh, Lq, lse_s, 1, 1);
         check_matrices("weights", weights, woff, bh, Lq, w_rs, Lk, 1);
 #endif
+        // clang-format off: one line per pointer and its strides, as in api.h
         pyattn::AttnArgs a{bh, Lq, Lk, E, Ev, group,
                            cptr(q), offs(qoff), q_rs, cptr(k), offs(koff), k_rs, cptr(v), offs(voff), v_rs,
                            mptr(out), offs(ooff), o_rs,
@@ -183,6 +187,7 @@ PYBIND11_MODULE(_core, m) {
                            opt_mptr(lse), offs(lseoff), lse_s,
                            opt_mptr(weights), offs(woff), w_rs,
                            scale, pyattn::Causal(causal), pyattn::get_num_threads()};
+        // clang-format on
         py::gil_scoped_release nogil;
         pyattn::active_isa().attention[dt(out)](a);
       },
@@ -197,7 +202,7 @@ PYBIND11_MODULE(_core, m) {
   m.def("isa", [] { return std::string(pyattn::active_isa().name); }, "Name of the kernel set in use.");
   m.def(
       "set_isa", [](const std::string& name) { return pyattn::set_active_isa(name.c_str()); }, py::arg("name"),
-        "Switch kernel set (tests); returns False if this CPU cannot run it.");
+      "Switch kernel set (tests); returns False if this CPU cannot run it.");
   m.def("available_isas", [] {
     std::vector<std::string> out;
     for (const char* n : {"generic", "avx2", "avx512"})

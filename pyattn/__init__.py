@@ -5,6 +5,7 @@ GEMM with per-ISA SIMD micro-kernels (AVX-512, AVX2+FMA, portable) chosen at imp
 softmax, and a flash-style fused attention kernel. ``pyattn.reference`` holds the same
 functions in plain NumPy (float64), the oracle of the tests.
 """
+
 from __future__ import annotations
 
 

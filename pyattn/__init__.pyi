@@ -9,16 +9,40 @@ from . import reference as reference
 __version__: str
 
 def scaled_dot_product_attention(
-    query: ArrayLike, key: ArrayLike, value: ArrayLike, attn_mask: Optional[ArrayLike] = ..., *,
-    is_causal: bool = ..., causal_align: str = ..., scale: Optional[float] = ..., enable_gqa: bool = ...,
-    return_weights: bool = ..., return_lse: bool = ..., out: Optional[NDArray[Any]] = ...,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    attn_mask: Optional[ArrayLike] = ...,
+    *,
+    is_causal: bool = ...,
+    causal_align: str = ...,
+    scale: Optional[float] = ...,
+    enable_gqa: bool = ...,
+    return_weights: bool = ...,
+    return_lse: bool = ...,
+    out: Optional[NDArray[Any]] = ...,
 ) -> Union[NDArray[np.floating], Tuple[NDArray[np.floating], ...]]: ...
 def multi_head_attention(
-    query: ArrayLike, key: ArrayLike, value: ArrayLike, num_heads: int, w_q: ArrayLike, w_k: ArrayLike,
-    w_v: ArrayLike, w_o: ArrayLike, b_q: Optional[ArrayLike] = ..., b_k: Optional[ArrayLike] = ...,
-    b_v: Optional[ArrayLike] = ..., b_o: Optional[ArrayLike] = ..., *, num_kv_heads: Optional[int] = ...,
-    attn_mask: Optional[ArrayLike] = ..., key_padding_mask: Optional[ArrayLike] = ..., is_causal: bool = ...,
-    causal_align: str = ..., need_weights: bool = ..., average_attn_weights: bool = ...,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    num_heads: int,
+    w_q: ArrayLike,
+    w_k: ArrayLike,
+    w_v: ArrayLike,
+    w_o: ArrayLike,
+    b_q: Optional[ArrayLike] = ...,
+    b_k: Optional[ArrayLike] = ...,
+    b_v: Optional[ArrayLike] = ...,
+    b_o: Optional[ArrayLike] = ...,
+    *,
+    num_kv_heads: Optional[int] = ...,
+    attn_mask: Optional[ArrayLike] = ...,
+    key_padding_mask: Optional[ArrayLike] = ...,
+    is_causal: bool = ...,
+    causal_align: str = ...,
+    need_weights: bool = ...,
+    average_attn_weights: bool = ...,
 ) -> Tuple[NDArray[np.floating], Optional[NDArray[np.floating]]]: ...
 
 class MultiHeadAttention:
@@ -38,25 +62,57 @@ class MultiHeadAttention:
     b_k: Optional[NDArray[np.floating]]
     b_v: Optional[NDArray[np.floating]]
     b_o: Optional[NDArray[np.floating]]
-    def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: Optional[int] = ...,
-                 kdim: Optional[int] = ..., vdim: Optional[int] = ..., bias: bool = ...,
-                 dtype: DTypeLike = ..., rng: Any = ...) -> None: ...
-    def __call__(self, query: ArrayLike, key: Optional[ArrayLike] = ..., value: Optional[ArrayLike] = ..., *,
-                 attn_mask: Optional[ArrayLike] = ..., key_padding_mask: Optional[ArrayLike] = ...,
-                 is_causal: bool = ..., need_weights: bool = ..., average_attn_weights: bool = ...,
-                 ) -> Tuple[NDArray[np.floating], Optional[NDArray[np.floating]]]: ...
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: Optional[int] = ...,
+        kdim: Optional[int] = ...,
+        vdim: Optional[int] = ...,
+        bias: bool = ...,
+        dtype: DTypeLike = ...,
+        rng: Any = ...,
+    ) -> None: ...
+    def __call__(
+        self,
+        query: ArrayLike,
+        key: Optional[ArrayLike] = ...,
+        value: Optional[ArrayLike] = ...,
+        *,
+        attn_mask: Optional[ArrayLike] = ...,
+        key_padding_mask: Optional[ArrayLike] = ...,
+        is_causal: bool = ...,
+        need_weights: bool = ...,
+        average_attn_weights: bool = ...,
+    ) -> Tuple[NDArray[np.floating], Optional[NDArray[np.floating]]]: ...
     def state_dict(self) -> dict[str, NDArray[np.floating]]: ...
     def load_state_dict(self, mapping: Mapping[str, ArrayLike]) -> None: ...
     def num_parameters(self) -> int: ...
 
-def softmax(x: ArrayLike, axis: int = ..., *, scale: Optional[float] = ..., mask: Optional[ArrayLike] = ...,
-            out: Optional[NDArray[Any]] = ...) -> NDArray[np.floating]: ...
+def softmax(
+    x: ArrayLike,
+    axis: int = ...,
+    *,
+    scale: Optional[float] = ...,
+    mask: Optional[ArrayLike] = ...,
+    out: Optional[NDArray[Any]] = ...,
+) -> NDArray[np.floating]: ...
 def matmul(a: ArrayLike, b: ArrayLike, *, out: Optional[NDArray[Any]] = ...) -> NDArray[np.floating]: ...
-def sinusoidal_positional_encoding(num_positions: int, d_model: int, *, base: float = ...,
-                                   dtype: DTypeLike = ...) -> NDArray[np.floating]: ...
-def additive_attention(query: ArrayLike, keys: ArrayLike, w_query: ArrayLike, w_keys: ArrayLike, v: ArrayLike, *,
-                       values: Optional[ArrayLike] = ..., mask: Optional[ArrayLike] = ...,
-                       return_weights: bool = ...) -> Union[NDArray[np.floating], Tuple[NDArray[np.floating], NDArray[np.floating]]]: ...
+def sinusoidal_positional_encoding(
+    num_positions: int, d_model: int, *, base: float = ..., dtype: DTypeLike = ...
+) -> NDArray[np.floating]: ...
+def additive_attention(
+    query: ArrayLike,
+    keys: ArrayLike,
+    w_query: ArrayLike,
+    w_keys: ArrayLike,
+    v: ArrayLike,
+    *,
+    values: Optional[ArrayLike] = ...,
+    mask: Optional[ArrayLike] = ...,
+    return_weights: bool = ...,
+) -> Union[NDArray[np.floating], Tuple[NDArray[np.floating], NDArray[np.floating]]]: ...
 def set_num_threads(n: int) -> None: ...
 def get_num_threads() -> int: ...
 def num_threads(n: int) -> AbstractContextManager[int]: ...

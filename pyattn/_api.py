@@ -1,4 +1,5 @@
 """Public functions: validation here, computation in the C++ core (pyattn._core)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -19,9 +20,9 @@ from . import _core
 from ._validate import (
     F32,
     F64,
+    broadcast,
     broadcast_lead,
     cast,
-    broadcast,
     check_out,
     compute_dtype,
     elem_strides,
@@ -178,7 +179,8 @@ def scaled_dot_product_attention(
                 koff, elem_strides(kb)[-2],  # koff, k_rs
                 voff, elem_strides(vb)[-2],  # voff, v_rs
                 lead_offsets(target, nlead), elem_strides(target)[-2],  # ooff, o_rs
-                mask_kind, m, lead_offsets(m, nlead) if m is not None else None, ms[0], ms[1],  # mask_kind, mask, moff, m_rs, m_cs
+                mask_kind, m, lead_offsets(m, nlead) if m is not None else None,  # mask_kind, mask, moff
+                ms[0], ms[1],  # m_rs, m_cs
                 lse, lead_offsets(lse, nlead) if lse is not None else None, 1,  # lse, lseoff, lse_s
                 weights, lead_offsets(weights, nlead) if weights is not None else None, Lk,  # weights, woff, w_rs
                 scale, _CAUSAL[causal_align] if is_causal else 0,  # scale, causal
@@ -290,12 +292,7 @@ def matmul(a, b, *, out=None):
         final = final[:-1]
     if out is not None:
         check_out(out, final, dtype)
-    direct = (
-        out is not None
-        and out.shape == full
-        and writable_in_place(out)
-        and not overlaps(out, x, y)
-    )
+    direct = out is not None and out.shape == full and writable_in_place(out) and not overlaps(out, x, y)
     c = out if direct else np.empty(full, dtype)
     xa = strided_ok(broadcast(cast(xa, dtype), batch + (m, k)))
     yb = strided_ok(broadcast(cast(yb, dtype), batch + (k, n)))

@@ -1,4 +1,5 @@
 """Layers built on the kernels: multi-head attention, positional encodings, Bahdanau attention."""
+
 from __future__ import annotations
 
 import math
@@ -112,9 +113,7 @@ def multi_head_attention(
     unbatched = q_in.ndim == 2
     for a, name in ((q_in, "query"), (k_in, "key"), (v_in, "value")):
         if a.ndim != (2 if unbatched else 3):
-            raise ValueError(
-                f"{name} must be (batch, L, E), or (L, E) for all three unbatched; got shape {a.shape}"
-            )
+            raise ValueError(f"{name} must be (batch, L, E), or (L, E) for all three unbatched; got shape {a.shape}")
     if unbatched:
         q_in, k_in, v_in = q_in[None], k_in[None], v_in[None]
         if key_padding_mask is not None:

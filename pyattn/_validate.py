@@ -4,6 +4,7 @@ Everything the C++ core receives is prepared here: float32/float64 arrays whose 
 has unit stride, element strides, and per-matrix offsets for any leading (batch) axes, with
 broadcast axes read at stride 0 and never materialised.
 """
+
 from __future__ import annotations
 
 import functools

@@ -63,9 +63,7 @@ def causal_mask(lq, lk, causal_align="top_left"):
     elif causal_align == "bottom_right":
         offset = lk - lq
     else:
-        raise ValueError(
-            f"causal_align must be 'top_left' or 'bottom_right', got {causal_align!r}"
-        )
+        raise ValueError(f"causal_align must be 'top_left' or 'bottom_right', got {causal_align!r}")
     i = np.arange(lq)[:, None]
     j = np.arange(lk)[None, :]
     return j <= i + offset
@@ -291,9 +289,7 @@ def sinusoidal_positional_encoding(num_positions, d_model, *, base=10000.0):
     return pe
 
 
-def additive_attention(
-    query, keys, w_query, w_keys, v, *, values=None, mask=None, return_weights=False
-):
+def additive_attention(query, keys, w_query, w_keys, v, *, values=None, mask=None, return_weights=False):
     """Bahdanau attention: e_ij = v^T tanh(query_i W_query + keys_j W_keys).
 
     query (..., Lq, Dq), keys (..., Lk, Dk), w_query (Dq, A), w_keys (Dk, A), v (A,);

@@ -37,27 +37,19 @@ def assert_close(actual, expected, dtype=None, *, tol=None, what="result"):
     Non-finite reference entries (-inf lse, NaN) must be matched exactly.
     ``dtype`` (if given) is the dtype ``actual`` must have; the tolerance follows it.
     """
-    assert isinstance(actual, (np.ndarray, np.generic)), (
-        f"{what}: expected a NumPy array, got {type(actual).__name__}"
-    )
+    assert isinstance(actual, (np.ndarray, np.generic)), f"{what}: expected a NumPy array, got {type(actual).__name__}"
     actual = np.asarray(actual)
     expected = np.asarray(expected, dtype=np.float64)
-    assert actual.shape == expected.shape, (
-        f"{what}: shape {actual.shape} != expected {expected.shape}"
-    )
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != expected {expected.shape}"
     if dtype is not None:
-        assert actual.dtype == np.dtype(dtype), (
-            f"{what}: dtype {actual.dtype} != expected {np.dtype(dtype)}"
-        )
+        assert actual.dtype == np.dtype(dtype), f"{what}: dtype {actual.dtype} != expected {np.dtype(dtype)}"
     if tol is None:
         tol = TOL.get(actual.dtype, 1e-12)
     a = actual.astype(np.float64)
     fin = np.isfinite(expected)
     if (~fin).any():
         same = np.array_equal(a[~fin], expected[~fin], equal_nan=True)
-        assert same, (
-            f"{what}: non-finite entries differ: got {a[~fin][:8]}, expected {expected[~fin][:8]}"
-        )
+        assert same, f"{what}: non-finite entries differ: got {a[~fin][:8]}, expected {expected[~fin][:8]}"
     if fin.any():
         scale = float(np.max(np.abs(expected[fin]))) or 1.0
         diff = np.abs(a[fin] - expected[fin])
@@ -187,8 +179,7 @@ def weights_from_state_dict(sd, embed_dim):
     )
 
 
-def make_state_dict(rng, embed_dim, kdim=None, vdim=None, bias=True, dtype=np.float64,
-                    kv_width=None):
+def make_state_dict(rng, embed_dim, kdim=None, vdim=None, bias=True, dtype=np.float64, kv_width=None):
     """A random torch-layout MultiheadAttention state dict (NumPy arrays)."""
     e = embed_dim
     kdim = e if kdim is None else kdim

@@ -9,10 +9,9 @@ import sys
 
 import numpy as np
 import pytest
+from _helpers import ISAS
 
 import pyattn
-
-from _helpers import ISAS
 
 
 def test_show_config(capsys):
@@ -106,8 +105,14 @@ def test_env_var_selects_isa(name):
         pytest.skip("pyattn._core not importable")
     env = dict(os.environ, PYATTN_ISA=name)
     code = "import pyattn, pyattn._core as c; print(c.isa()); print(pyattn.show_config()['isa'])"
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.abspath(__file__)), timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     lines = res.stdout.strip().splitlines()
     assert lines[0] == name
@@ -119,9 +124,20 @@ def test_version():
 
 
 def test_public_names():
-    for name in ["scaled_dot_product_attention", "multi_head_attention", "MultiHeadAttention",
-                 "softmax", "matmul", "sinusoidal_positional_encoding", "additive_attention",
-                 "set_num_threads", "get_num_threads", "num_threads", "show_config", "reference"]:
+    for name in [
+        "scaled_dot_product_attention",
+        "multi_head_attention",
+        "MultiHeadAttention",
+        "softmax",
+        "matmul",
+        "sinusoidal_positional_encoding",
+        "additive_attention",
+        "set_num_threads",
+        "get_num_threads",
+        "num_threads",
+        "show_config",
+        "reference",
+    ]:
         assert hasattr(pyattn, name), name
 
 
@@ -141,12 +157,19 @@ def test_env_var_unknown_isa_still_imports():
         "print(json.dumps({'isa': pyattn._core.isa(), 'err': float(err), 'warnings': [\n"
         "    [w.category.__name__, str(w.message)] for w in caught]}))\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.abspath(__file__)), timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
     # available_isas() lists the kernel sets from the most portable to the fastest
     assert out["isa"] == ISAS[-1]
     assert out["err"] < 1e-12
-    assert any(cat == "RuntimeWarning" and "PYATTN_ISA" in msg and "not-an-isa" in msg
-               for cat, msg in out["warnings"]), out["warnings"]
+    assert any(
+        cat == "RuntimeWarning" and "PYATTN_ISA" in msg and "not-an-isa" in msg for cat, msg in out["warnings"]
+    ), out["warnings"]

@@ -16,12 +16,12 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from _helpers import DTYPES, assert_close, randn
+from hypothesis import given
+from hypothesis import strategies as st
 
 import pyattn
 from pyattn import reference
-
-from _helpers import DTYPES, assert_close, randn
 
 sdpa = pyattn.scaled_dot_product_attention
 ref_sdpa = reference.scaled_dot_product_attention
@@ -38,15 +38,15 @@ def run_python(script, *, timeout=60, argv=None):
     Returns (returncode, stdout, stderr).
     """
     cmd = argv if argv is not None else [sys.executable, "-c", script]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=HERE, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"the subprocess hung (killed after {timeout} s)\nstdout:\n{out[-3000:]}\n"
-                    f"stderr:\n{err[-3000:]}")
+        pytest.fail(f"the subprocess hung (killed after {timeout} s)\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
     return proc.returncode, out, err
 
 
@@ -156,8 +156,7 @@ def bottom_right_call_sequences(draw, ncalls=4):
             ev = _nudge(ev, draw(steps))
         shapes.append((b, hkv, g, lq, lk, e, ev))
     last = len(shapes) - 1
-    return [draw(_problem(dtype, s, returns=(True, True) if i == last else None))
-            for i, s in enumerate(shapes)]
+    return [draw(_problem(dtype, s, returns=(True, True) if i == last else None)) for i, s in enumerate(shapes)]
 
 
 def _check_against_reference(prob, what):
@@ -229,7 +228,9 @@ def work(_):
     return compute()
 """
 
-_FORK_AFTER = _FORK_PRELUDE + r"""
+_FORK_AFTER = (
+    _FORK_PRELUDE
+    + r"""
 with pyattn.num_threads(2):
     compute()  # the parent runs parallel regions (libgomp starts its pool)
 threads = pyattn.get_num_threads()
@@ -244,6 +245,7 @@ with pyattn.num_threads(2):
 res["threads_after"] = pyattn.get_num_threads()
 print(json.dumps(res))
 """
+)
 
 
 def _assert_computed(r, threads, what):
@@ -276,7 +278,9 @@ def test_fork_after_parallel_call_computes(how):
     assert res["threads_after"] == res["threads_before"]
 
 
-_FORK_BEFORE = _FORK_PRELUDE + r"""
+_FORK_BEFORE = (
+    _FORK_PRELUDE
+    + r"""
 pyattn.set_num_threads(3)
 pyattn.softmax(np.ones(4))  # a call too small to go parallel
 res = {"child": in_forked_child()}
@@ -284,6 +288,7 @@ with pyattn.num_threads(2):
     res["parent"] = compute()
 print(json.dumps(res))
 """
+)
 
 
 @needs_fork
@@ -355,8 +360,10 @@ def _hard_as_limit_allows(nbytes):
 @needs_rlimit
 def test_softmax_out_of_memory_issue_repro_does_not_abort():
     """Defect 3: the issue's command (ulimit -v 3000000, softmax of 2 x 150M) aborted with exit 134."""
-    code = ("import numpy as np, pyattn; r = pyattn.softmax(np.zeros((2, 150_000_000), np.float32)); "
-            "print('sum', float(r[0, :1000].sum(dtype=np.float64)) * 150_000)")
+    code = (
+        "import numpy as np, pyattn; r = pyattn.softmax(np.zeros((2, 150_000_000), np.float32)); "
+        "print('sum', float(r[0, :1000].sum(dtype=np.float64)) * 150_000)"
+    )
     cmd = f"ulimit -v 3000000 && exec {shlex.quote(sys.executable)} -c {shlex.quote(code)}"
     rc, out, err = run_python(None, argv=["bash", "-c", cmd], timeout=120)
     # x and the output (2.4 GB) fit under the 3 GB limit, and a softmax written with unit stride
@@ -511,18 +518,26 @@ def _overlap_case(how, rng, dtype, n):
         return x, x
     buf = randn(rng, (n + 1, n + 1), dtype, 3.0)
     views = {
-        "shift_left": (buf[:, 1:], buf[:, :-1]),    # out starts one column before x
-        "shift_right": (buf[:, :-1], buf[:, 1:]),   # out starts one column after x
-        "shift_up": (buf[1:], buf[:-1]),            # out starts one row before x
-        "shift_down": (buf[:-1], buf[1:]),          # out starts one row after x
+        "shift_left": (buf[:, 1:], buf[:, :-1]),  # out starts one column before x
+        "shift_right": (buf[:, :-1], buf[:, 1:]),  # out starts one column after x
+        "shift_up": (buf[1:], buf[:-1]),  # out starts one row before x
+        "shift_down": (buf[:-1], buf[1:]),  # out starts one row after x
         "reversed_cols": (buf, buf[:, ::-1]),
         "reversed_rows": (buf, buf[::-1]),
     }
     return views[how]
 
 
-SOFTMAX_OVERLAPS = ["transpose", "shift_left", "shift_right", "shift_up", "shift_down",
-                    "reversed_cols", "reversed_rows", "same"]
+SOFTMAX_OVERLAPS = [
+    "transpose",
+    "shift_left",
+    "shift_right",
+    "shift_up",
+    "shift_down",
+    "reversed_cols",
+    "reversed_rows",
+    "same",
+]
 
 
 @dtype_param

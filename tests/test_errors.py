@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _helpers import assert_unmodified, bool_mask, make_mask, make_state_dict, randn, snapshot
 
 import pyattn
-
-from _helpers import assert_unmodified, bool_mask, make_mask, make_state_dict, randn, snapshot
 
 R = np.random.default_rng(1234)
 Q = randn(R, (2, 3, 5, 8))
@@ -22,8 +21,7 @@ BAD_INPUT = (TypeError, ValueError)
 
 
 @pytest.mark.parametrize("which", ["query", "key", "value"])
-@pytest.mark.parametrize("bad", ["int32", "int64", "complex64", "complex128", "bool", "uint8",
-                                 "str"])
+@pytest.mark.parametrize("bad", ["int32", "int64", "complex64", "complex128", "bool", "uint8", "str"])
 def test_sdpa_bad_dtype(which, bad):
     args = {"query": Q, "key": K, "value": V}
     x = args[which]
@@ -39,6 +37,7 @@ def test_sdpa_bad_dtype(which, bad):
 def test_sdpa_float16_is_not_silently_wrong():
     """float16 is not computed natively: it computes (and returns) as float32, exactly so."""
     from pyattn import reference
+
     q, k, v = (x.astype(np.float16) for x in (Q, K, V))
     out = sdpa(q, k, v)
     assert out.dtype == np.float32
@@ -59,25 +58,27 @@ def test_sdpa_bad_mask_dtype(bad):
 # --------------------------------------------------------------------------- shapes
 
 
-@pytest.mark.parametrize("q,k,v,match", [
-    (Q[0, 0, 0], K, V, "query"),                 # 1-D query
-    (np.float64(1.0), K, V, "query"),            # 0-D query
-    (Q, K[0, 0, 0], V, "key"),                   # 1-D key
-    (Q, K, V[0, 0, 0], "value"),                 # 1-D value
-    (Q, randn(R, (2, 3, 6, 9)), V, "key"),       # E of key != E of query
-    (randn(R, (2, 3, 5, 9)), K, V, "query|key"),  # E of query != E of key
-    (Q, K, randn(R, (2, 3, 7, 4)), "value"),     # Lk of value != Lk of key
-    (Q, randn(R, (4, 3, 6, 8)), randn(R, (4, 3, 6, 4)), "query|key"),  # batch 2 vs 4
-    (Q, K, randn(R, (3, 3, 6, 4)), "key|value"),  # key batch 2 vs value batch 3
-    (randn(R, (2, 4, 5, 8)), K, V, "query|key|head|enable_gqa"),  # Hq=4, Hkv=3
-])
+@pytest.mark.parametrize(
+    "q,k,v,match",
+    [
+        (Q[0, 0, 0], K, V, "query"),  # 1-D query
+        (np.float64(1.0), K, V, "query"),  # 0-D query
+        (Q, K[0, 0, 0], V, "key"),  # 1-D key
+        (Q, K, V[0, 0, 0], "value"),  # 1-D value
+        (Q, randn(R, (2, 3, 6, 9)), V, "key"),  # E of key != E of query
+        (randn(R, (2, 3, 5, 9)), K, V, "query|key"),  # E of query != E of key
+        (Q, K, randn(R, (2, 3, 7, 4)), "value"),  # Lk of value != Lk of key
+        (Q, randn(R, (4, 3, 6, 8)), randn(R, (4, 3, 6, 4)), "query|key"),  # batch 2 vs 4
+        (Q, K, randn(R, (3, 3, 6, 4)), "key|value"),  # key batch 2 vs value batch 3
+        (randn(R, (2, 4, 5, 8)), K, V, "query|key|head|enable_gqa"),  # Hq=4, Hkv=3
+    ],
+)
 def test_sdpa_bad_shapes(q, k, v, match):
     with pytest.raises(ValueError, match=match):
         sdpa(q, k, v)
 
 
-@pytest.mark.parametrize("mshape", [(5, 7), (4, 6), (7,), (3, 5, 6, 1, 1), (4, 5, 6),
-                                    (2, 2, 5, 6)])
+@pytest.mark.parametrize("mshape", [(5, 7), (4, 6), (7,), (3, 5, 6, 1, 1), (4, 5, 6), (2, 2, 5, 6)])
 @pytest.mark.parametrize("kind", ["bool", "float"])
 def test_sdpa_bad_mask_shape(mshape, kind):
     mask = make_mask(R, kind, mshape)
@@ -121,10 +122,10 @@ def test_bad_causal_align_even_without_causal():
 def test_is_causal_with_attn_mask_combines():
     """pyattn allows both: the mask and causality restrict together (torch refuses)."""
     from pyattn import reference
+
     mask = bool_mask(R, (5, 6))
     out, w = sdpa(Q, K, V, mask, is_causal=True, return_weights=True)
-    want, ww = reference.scaled_dot_product_attention(Q, K, V, mask, is_causal=True,
-                                                       return_weights=True)
+    want, ww = reference.scaled_dot_product_attention(Q, K, V, mask, is_causal=True, return_weights=True)
     np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
     causal = np.tril(np.ones((5, 6), bool))
     assert np.all(w[..., ~(mask & causal)] == 0.0)
@@ -147,8 +148,7 @@ def test_out_wrong_dtype():
     with pytest.raises(BAD_INPUT, match="out"):
         sdpa(Q, K, V, out=np.empty((2, 3, 5, 4), np.float32))
     with pytest.raises(BAD_INPUT, match="out"):
-        sdpa(Q.astype(np.float32), K.astype(np.float32), V.astype(np.float32),
-             out=np.empty((2, 3, 5, 4), np.float64))
+        sdpa(Q.astype(np.float32), K.astype(np.float32), V.astype(np.float32), out=np.empty((2, 3, 5, 4), np.float64))
     with pytest.raises(BAD_INPUT, match="out"):
         sdpa(Q, K, V, out=np.empty((2, 3, 5, 4), np.int64))
 
@@ -168,6 +168,7 @@ def test_out_not_an_array():
 def test_out_overlapping_input_is_safe():
     """out= aliasing an input computes correctly (as if out were a separate array)."""
     from pyattn import reference
+
     q = randn(R, (2, 3, 5, 8))
     v = randn(R, (2, 3, 5, 8))
     want = reference.scaled_dot_product_attention(q, q, v)
@@ -196,35 +197,50 @@ def mha(x=X, k=None, v=None, h=H, **kw):
         if name in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o"):
             w[name] = kw.pop(name)
     return pyattn.multi_head_attention(
-        x, x if k is None else k, x if v is None else v, h, w["w_q"], w["w_k"], w["w_v"],
-        w["w_o"], w.get("b_q"), w.get("b_k"), w.get("b_v"), w.get("b_o"), **kw)
+        x,
+        x if k is None else k,
+        x if v is None else v,
+        h,
+        w["w_q"],
+        w["w_k"],
+        w["w_v"],
+        w["w_o"],
+        w.get("b_q"),
+        w.get("b_k"),
+        w.get("b_v"),
+        w.get("b_o"),
+        **kw,
+    )
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(h=3), "num_heads"),                           # 8 columns, 3 heads
-    (dict(h=0), "num_heads"),
-    (dict(h=-2), "num_heads"),
-    (dict(num_kv_heads=3, h=2), "num_kv_heads"),
-    (dict(h=4, num_kv_heads=3), "num_kv_heads"),
-    (dict(w_q=randn(R, (7, E))), "w_q|query"),          # rows != E of query
-    (dict(w_k=randn(R, (E, 6))), "w_k"),                # columns != Hkv * head_dim
-    (dict(w_v=randn(R, (E, 5))), "w_v"),                # 5 columns for 2 kv heads
-    (dict(w_o=randn(R, (6, E))), "w_o"),                # rows != H * head_dim
-    (dict(b_q=randn(R, (7,))), "b_q"),
-    (dict(b_k=randn(R, (9,))), "b_k"),
-    (dict(b_v=randn(R, (E, 1))), "b_v"),
-    (dict(b_o=randn(R, (3,))), "b_o"),
-    (dict(x=randn(R, (2, 3, 5, E))), "query"),          # 4-D input
-    (dict(x=randn(R, (E,))), "query"),                  # 1-D input
-    (dict(k=randn(R, (3, 5, E)), v=randn(R, (3, 5, E))), "query|key"),  # batch 2 vs 3
-    (dict(v=randn(R, (2, 6, E))), "key|value"),          # Lk 5 vs 6
-    (dict(k=randn(R, (2, 5, 7))), "key|w_k"),            # key width != rows of w_k
-    (dict(attn_mask=bool_mask(R, (5, 6))), "attn_mask"),
-    (dict(attn_mask=bool_mask(R, (3, 5, 5))), "attn_mask"),  # neither H nor B*H
-    (dict(key_padding_mask=bool_mask(R, (2, 6))), "key_padding_mask"),
-    (dict(key_padding_mask=bool_mask(R, (3, 5))), "key_padding_mask"),
-    (dict(causal_align="left"), "causal_align"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(h=3), "num_heads"),  # 8 columns, 3 heads
+        (dict(h=0), "num_heads"),
+        (dict(h=-2), "num_heads"),
+        (dict(num_kv_heads=3, h=2), "num_kv_heads"),
+        (dict(h=4, num_kv_heads=3), "num_kv_heads"),
+        (dict(w_q=randn(R, (7, E))), "w_q|query"),  # rows != E of query
+        (dict(w_k=randn(R, (E, 6))), "w_k"),  # columns != Hkv * head_dim
+        (dict(w_v=randn(R, (E, 5))), "w_v"),  # 5 columns for 2 kv heads
+        (dict(w_o=randn(R, (6, E))), "w_o"),  # rows != H * head_dim
+        (dict(b_q=randn(R, (7,))), "b_q"),
+        (dict(b_k=randn(R, (9,))), "b_k"),
+        (dict(b_v=randn(R, (E, 1))), "b_v"),
+        (dict(b_o=randn(R, (3,))), "b_o"),
+        (dict(x=randn(R, (2, 3, 5, E))), "query"),  # 4-D input
+        (dict(x=randn(R, (E,))), "query"),  # 1-D input
+        (dict(k=randn(R, (3, 5, E)), v=randn(R, (3, 5, E))), "query|key"),  # batch 2 vs 3
+        (dict(v=randn(R, (2, 6, E))), "key|value"),  # Lk 5 vs 6
+        (dict(k=randn(R, (2, 5, 7))), "key|w_k"),  # key width != rows of w_k
+        (dict(attn_mask=bool_mask(R, (5, 6))), "attn_mask"),
+        (dict(attn_mask=bool_mask(R, (3, 5, 5))), "attn_mask"),  # neither H nor B*H
+        (dict(key_padding_mask=bool_mask(R, (2, 6))), "key_padding_mask"),
+        (dict(key_padding_mask=bool_mask(R, (3, 5))), "key_padding_mask"),
+        (dict(causal_align="left"), "causal_align"),
+    ],
+)
 def test_mha_bad_arguments(kw, match):
     with pytest.raises(ValueError, match=match):
         mha(**kw)
@@ -248,16 +264,19 @@ def test_mha_bad_dtype(which):
 # --------------------------------------------------------------------------- MultiHeadAttention
 
 
-@pytest.mark.parametrize("args,kw,match", [
-    ((10, 3), {}, "num_heads"),
-    ((8, 0), {}, "num_heads"),
-    ((0, 1), {}, "embed_dim"),
-    ((-8, 2), {}, "embed_dim"),
-    ((8, 4), dict(num_kv_heads=3), "num_kv_heads"),
-    ((8, 2), dict(num_kv_heads=0), "num_kv_heads"),
-    ((8, 2), dict(kdim=0), "kdim"),
-    ((8, 2), dict(vdim=-1), "vdim"),
-])
+@pytest.mark.parametrize(
+    "args,kw,match",
+    [
+        ((10, 3), {}, "num_heads"),
+        ((8, 0), {}, "num_heads"),
+        ((0, 1), {}, "embed_dim"),
+        ((-8, 2), {}, "embed_dim"),
+        ((8, 4), dict(num_kv_heads=3), "num_kv_heads"),
+        ((8, 2), dict(num_kv_heads=0), "num_kv_heads"),
+        ((8, 2), dict(kdim=0), "kdim"),
+        ((8, 2), dict(vdim=-1), "vdim"),
+    ],
+)
 def test_module_bad_construction(args, kw, match):
     with pytest.raises(ValueError, match=match):
         pyattn.MultiHeadAttention(*args, **kw)
@@ -283,8 +302,7 @@ def test_module_bad_call():
         m(X.astype(np.float32), attn_mask=np.zeros((4, 5), bool))
 
 
-@pytest.mark.parametrize("drop", ["in_proj_weight", "out_proj.weight", "in_proj_bias",
-                                  "out_proj.bias"])
+@pytest.mark.parametrize("drop", ["in_proj_weight", "out_proj.weight", "in_proj_bias", "out_proj.bias"])
 def test_load_state_dict_missing_key(drop):
     m = pyattn.MultiHeadAttention(8, 2, rng=np.random.default_rng(0))
     sd = make_state_dict(R, 8, dtype=np.float32)
@@ -295,9 +313,16 @@ def test_load_state_dict_missing_key(drop):
         m.load_state_dict(sd)
 
 
-@pytest.mark.parametrize("key,shape", [("in_proj_weight", (24, 7)), ("in_proj_weight", (23, 8)),
-                                       ("in_proj_bias", (23,)), ("out_proj.weight", (8, 9)),
-                                       ("out_proj.bias", (8, 1))])
+@pytest.mark.parametrize(
+    "key,shape",
+    [
+        ("in_proj_weight", (24, 7)),
+        ("in_proj_weight", (23, 8)),
+        ("in_proj_bias", (23,)),
+        ("out_proj.weight", (8, 9)),
+        ("out_proj.bias", (8, 1)),
+    ],
+)
 def test_load_state_dict_misshaped(key, shape):
     m = pyattn.MultiHeadAttention(8, 2, rng=np.random.default_rng(0))
     before = m.state_dict()
@@ -326,13 +351,16 @@ def test_load_state_dict_missing_separate_projection():
 # --------------------------------------------------------------------------- matmul, softmax, ...
 
 
-@pytest.mark.parametrize("a,b", [
-    (np.ones((3, 4)), np.ones((5, 6))),
-    (np.ones((3,)), np.ones((4,))),
-    (np.ones((2, 3, 4)), np.ones((3, 4, 5))),   # batch 2 vs 3
-    (np.float64(2.0), np.ones((2, 2))),          # 0-d operand
-    (np.ones((2, 2)), np.float64(2.0)),
-])
+@pytest.mark.parametrize(
+    "a,b",
+    [
+        (np.ones((3, 4)), np.ones((5, 6))),
+        (np.ones((3,)), np.ones((4,))),
+        (np.ones((2, 3, 4)), np.ones((3, 4, 5))),  # batch 2 vs 3
+        (np.float64(2.0), np.ones((2, 2))),  # 0-d operand
+        (np.ones((2, 2)), np.float64(2.0)),
+    ],
+)
 def test_matmul_bad_shapes(a, b):
     with pytest.raises(ValueError, match=r"\b(a|b)\b"):
         pyattn.matmul(a, b)
@@ -398,12 +426,15 @@ def test_set_num_threads_bad_type():
         pyattn.set_num_threads("2")
 
 
-@pytest.mark.parametrize("args,kw,match", [
-    ((-1, 4), {}, "num_positions"),
-    ((4, -2), {}, "d_model"),
-    ((4, 4), dict(base=0.0), "base"),
-    ((4, 4), dict(base=-10.0), "base"),
-])
+@pytest.mark.parametrize(
+    "args,kw,match",
+    [
+        ((-1, 4), {}, "num_positions"),
+        ((4, -2), {}, "d_model"),
+        ((4, 4), dict(base=0.0), "base"),
+        ((4, 4), dict(base=-10.0), "base"),
+    ],
+)
 def test_sinusoidal_bad(args, kw, match):
     with pytest.raises(ValueError, match=match):
         pyattn.sinusoidal_positional_encoding(*args, **kw)
@@ -418,17 +449,20 @@ AQ, AK = randn(R, (2, 4, 5)), randn(R, (2, 6, 3))
 AWQ, AWK, AV = randn(R, (5, 7)), randn(R, (3, 7)), randn(R, (7,))
 
 
-@pytest.mark.parametrize("kw,exc,match", [
-    (dict(query=AQ.astype(np.int64)), TypeError, "query"),
-    (dict(keys=AK.astype(np.complex128)), TypeError, "keys"),
-    (dict(w_query=randn(R, (4, 7))), ValueError, "w_query|query"),
-    (dict(w_keys=randn(R, (3, 6))), ValueError, "w_keys|w_query"),
-    (dict(v=randn(R, (6,))), ValueError, r"\bv\b"),
-    (dict(v=randn(R, (7, 1))), ValueError, r"\bv\b"),
-    (dict(values=randn(R, (2, 5, 3))), ValueError, "values"),
-    (dict(mask=np.ones((4, 5), bool)), ValueError, "mask"),
-    (dict(keys=randn(R, (3, 6, 3))), ValueError, "query|keys"),
-])
+@pytest.mark.parametrize(
+    "kw,exc,match",
+    [
+        (dict(query=AQ.astype(np.int64)), TypeError, "query"),
+        (dict(keys=AK.astype(np.complex128)), TypeError, "keys"),
+        (dict(w_query=randn(R, (4, 7))), ValueError, "w_query|query"),
+        (dict(w_keys=randn(R, (3, 6))), ValueError, "w_keys|w_query"),
+        (dict(v=randn(R, (6,))), ValueError, r"\bv\b"),
+        (dict(v=randn(R, (7, 1))), ValueError, r"\bv\b"),
+        (dict(values=randn(R, (2, 5, 3))), ValueError, "values"),
+        (dict(mask=np.ones((4, 5), bool)), ValueError, "mask"),
+        (dict(keys=randn(R, (3, 6, 3))), ValueError, "query|keys"),
+    ],
+)
 def test_additive_bad(kw, exc, match):
     args = dict(query=AQ, keys=AK, w_query=AWQ, w_keys=AWK, v=AV)
     extra = {}
@@ -437,8 +471,7 @@ def test_additive_bad(kw, exc, match):
             extra[name] = kw.pop(name)
     args.update(kw)
     with pytest.raises(exc, match=match):
-        pyattn.additive_attention(args["query"], args["keys"], args["w_query"], args["w_keys"],
-                                  args["v"], **extra)
+        pyattn.additive_attention(args["query"], args["keys"], args["w_query"], args["w_keys"], args["v"], **extra)
 
 
 # --------------------------------------------------------------------------- inputs unmodified
@@ -452,10 +485,8 @@ def test_inputs_not_modified(dtype):
     bm = make_mask(rng, "bool_full_rows", (2, 1, 9, 11))
     k_view = np.swapaxes(np.ascontiguousarray(np.swapaxes(k, -1, -2)), -1, -2)
     calls = [
-        (sdpa, (q, k, v, fm), dict(enable_gqa=True, is_causal=True, return_weights=True,
-                                   return_lse=True)),
-        (sdpa, (q, k_view, v, bm), dict(enable_gqa=True, causal_align="bottom_right",
-                                        is_causal=True)),
+        (sdpa, (q, k, v, fm), dict(enable_gqa=True, is_causal=True, return_weights=True, return_lse=True)),
+        (sdpa, (q, k_view, v, bm), dict(enable_gqa=True, causal_align="bottom_right", is_causal=True)),
         (pyattn.softmax, (q,), dict(axis=1, scale=0.3, mask=np.ones((9, 8), bool))),
         (pyattn.softmax, (q[0, 0],), dict(mask=fm[:, :8])),
         (pyattn.matmul, (q, np.swapaxes(q, -1, -2)), {}),
@@ -465,15 +496,16 @@ def test_inputs_not_modified(dtype):
     kv = randn(rng, (2, 11, 8), dtype)
     ws = [randn(rng, (8, 8), dtype) for _ in range(4)] + [randn(rng, (8,), dtype) for _ in range(4)]
     kpm = bool_mask(rng, (2, 11), p=0.2)
-    calls.append((pyattn.multi_head_attention, (x, kv, kv, 2, *ws),
-                  dict(attn_mask=fm, key_padding_mask=kpm, need_weights=True)))
-    calls.append((pyattn.multi_head_attention, (x, x, x, 2, *ws),
-                  dict(is_causal=True, num_kv_heads=2)))
+    calls.append(
+        (pyattn.multi_head_attention, (x, kv, kv, 2, *ws), dict(attn_mask=fm, key_padding_mask=kpm, need_weights=True))
+    )
+    calls.append((pyattn.multi_head_attention, (x, x, x, 2, *ws), dict(is_causal=True, num_kv_heads=2)))
     aq, ak = randn(rng, (9, 5), dtype), randn(rng, (11, 3), dtype)
     awq, awk, av = randn(rng, (5, 7), dtype), randn(rng, (3, 7), dtype), randn(rng, (7,), dtype)
     avals = randn(rng, (11, 4), dtype)
-    calls.append((pyattn.additive_attention, (aq, ak, awq, awk, av),
-                  dict(values=avals, mask=bm[0, 0], return_weights=True)))
+    calls.append(
+        (pyattn.additive_attention, (aq, ak, awq, awk, av), dict(values=avals, mask=bm[0, 0], return_weights=True))
+    )
     for fn, args, kw in calls:
         arrays = list(args) + [a for a in kw.values() if isinstance(a, np.ndarray)]
         copies = snapshot(*[a if isinstance(a, np.ndarray) else None for a in arrays])

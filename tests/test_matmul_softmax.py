@@ -4,22 +4,45 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _helpers import DTYPES, assert_close, bool_mask, make_mask, randn, relayout
 
 import pyattn
 from pyattn import reference
-
-from _helpers import DTYPES, assert_close, bool_mask, make_mask, randn, relayout
 
 dtype_param = pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
 
 # --------------------------------------------------------------------------- matmul
 
 # (m, k, n): every edge size appears in each slot, not the whole product
-MKN = [(1, 1, 1), (2, 5, 7), (5, 7, 2), (7, 2, 5), (8, 8, 8), (9, 16, 17), (15, 17, 16),
-       (16, 9, 15), (17, 31, 33), (31, 32, 47), (32, 33, 48), (33, 47, 49), (47, 48, 63),
-       (48, 49, 64), (49, 63, 65), (63, 64, 127), (64, 65, 129), (65, 127, 255),
-       (127, 129, 257), (129, 255, 300), (255, 257, 1), (257, 300, 2), (300, 1, 31),
-       (1, 300, 257), (300, 255, 1), (2, 129, 300), (257, 8, 9)]
+MKN = [
+    (1, 1, 1),
+    (2, 5, 7),
+    (5, 7, 2),
+    (7, 2, 5),
+    (8, 8, 8),
+    (9, 16, 17),
+    (15, 17, 16),
+    (16, 9, 15),
+    (17, 31, 33),
+    (31, 32, 47),
+    (32, 33, 48),
+    (33, 47, 49),
+    (47, 48, 63),
+    (48, 49, 64),
+    (49, 63, 65),
+    (63, 64, 127),
+    (64, 65, 129),
+    (65, 127, 255),
+    (127, 129, 257),
+    (129, 255, 300),
+    (255, 257, 1),
+    (257, 300, 2),
+    (300, 1, 31),
+    (1, 300, 257),
+    (300, 255, 1),
+    (2, 129, 300),
+    (257, 8, 9),
+]
 
 
 def mm_check(a, b, dtype, **kw):
@@ -46,12 +69,24 @@ def test_matmul_k0(isa, dtype, m, n):
 
 
 @dtype_param
-@pytest.mark.parametrize("shape_a,shape_b", [
-    ((7,), (7,)), ((33,), (33, 17)), ((17, 33), (33,)), ((2, 3, 33), (33,)), ((33,), (4, 33, 5)),
-    ((2, 1, 9, 17), (3, 17, 5)), ((4, 9, 17), (17, 5)), ((9, 17), (4, 17, 5)),
-    ((2, 3, 1, 5, 8), (1, 3, 4, 8, 6)), ((0, 3, 4), (4, 5)), ((3, 0, 4), (4, 5)),
-    ((3, 4, 0), (0, 5)), ((5, 4), (4, 0)),
-])
+@pytest.mark.parametrize(
+    "shape_a,shape_b",
+    [
+        ((7,), (7,)),
+        ((33,), (33, 17)),
+        ((17, 33), (33,)),
+        ((2, 3, 33), (33,)),
+        ((33,), (4, 33, 5)),
+        ((2, 1, 9, 17), (3, 17, 5)),
+        ((4, 9, 17), (17, 5)),
+        ((9, 17), (4, 17, 5)),
+        ((2, 3, 1, 5, 8), (1, 3, 4, 8, 6)),
+        ((0, 3, 4), (4, 5)),
+        ((3, 0, 4), (4, 5)),
+        ((3, 4, 0), (0, 5)),
+        ((5, 4), (4, 0)),
+    ],
+)
 def test_matmul_broadcasting_and_1d(isa, dtype, shape_a, shape_b, rng):
     a, b = randn(rng, shape_a, dtype), randn(rng, shape_b, dtype)
     got = pyattn.matmul(a, b)
@@ -62,8 +97,21 @@ def test_matmul_broadcasting_and_1d(isa, dtype, shape_a, shape_b, rng):
 
 
 @dtype_param
-@pytest.mark.parametrize("how", ["a_T", "b_T", "both_T", "fortran", "strided", "reversed",
-                                 "broadcast_view", "col_strided", "unaligned", "byteswapped"])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "a_T",
+        "b_T",
+        "both_T",
+        "fortran",
+        "strided",
+        "reversed",
+        "broadcast_view",
+        "col_strided",
+        "unaligned",
+        "byteswapped",
+    ],
+)
 def test_matmul_layouts(isa, dtype, how, rng):
     m, k, n = 37, 65, 33
     a, b = randn(rng, (m, k), dtype), randn(rng, (k, n), dtype)
@@ -154,11 +202,25 @@ def test_matmul_large_k_accuracy(isa, dtype, rng):
 
 
 @dtype_param
-@pytest.mark.parametrize("shape,axis", [
-    ((7,), -1), ((7,), 0), ((3, 17), -1), ((3, 17), 0), ((2, 5, 33), 1), ((2, 5, 33), -3),
-    ((4, 3, 5, 129), -1), ((4, 3, 5, 129), 2), ((1, 1), -1), ((300, 3), -1), ((3, 300), -1),
-    ((2, 0, 5), -1), ((2, 5, 0), -1), ((2, 5, 0), 1),
-])
+@pytest.mark.parametrize(
+    "shape,axis",
+    [
+        ((7,), -1),
+        ((7,), 0),
+        ((3, 17), -1),
+        ((3, 17), 0),
+        ((2, 5, 33), 1),
+        ((2, 5, 33), -3),
+        ((4, 3, 5, 129), -1),
+        ((4, 3, 5, 129), 2),
+        ((1, 1), -1),
+        ((300, 3), -1),
+        ((3, 300), -1),
+        ((2, 0, 5), -1),
+        ((2, 5, 0), -1),
+        ((2, 5, 0), 1),
+    ],
+)
 def test_softmax_axes(isa, dtype, shape, axis, rng):
     x = randn(rng, shape, dtype, scale=3.0)
     got = pyattn.softmax(x, axis=axis)
@@ -198,8 +260,7 @@ def test_softmax_broadcast_mask(isa, dtype, rng):
         mask = bool_mask(rng, mshape)
         assert_close(pyattn.softmax(x, mask=mask), reference.softmax(x, mask=mask), dtype)
         fmask = make_mask(rng, "float", mshape, dtype)
-        assert_close(pyattn.softmax(x, mask=fmask, scale=0.5),
-                     reference.softmax(x, mask=fmask, scale=0.5), dtype)
+        assert_close(pyattn.softmax(x, mask=fmask, scale=0.5), reference.softmax(x, mask=fmask, scale=0.5), dtype)
 
 
 @dtype_param
@@ -287,7 +348,7 @@ def test_sinusoidal(n, d):
 def test_sinusoidal_base():
     got = pyattn.sinusoidal_positional_encoding(16, 6, base=100.0, dtype=np.float64)
     assert_close(got, reference.sinusoidal_positional_encoding(16, 6, base=100.0), np.float64)
-    pos, i = 5, 2  # column 2i = 4
+    pos = 5  # columns 4 and 5: the pair i = 2
     assert abs(got[pos, 4] - np.sin(pos / 100.0 ** (4 / 6))) < 1e-12
     assert abs(got[pos, 5] - np.cos(pos / 100.0 ** (4 / 6))) < 1e-12
 
@@ -333,8 +394,7 @@ def test_additive_attention_loops(lib, masked, with_values, rng):
     if masked:
         mask = bool_mask(rng, (lq, lk))
         mask[2] = False
-    out, w = lib.additive_attention(q, keys, wq, wk, v, values=values, mask=mask,
-                                    return_weights=True)
+    out, w = lib.additive_attention(q, keys, wq, wk, v, values=values, mask=mask, return_weights=True)
     want_out, want_w = _additive_loops(q, keys, wq, wk, v, keys if values is None else values, mask)
     assert_close(out, want_out, np.float64)
     assert_close(w, want_w, np.float64)

@@ -4,31 +4,41 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _helpers import (
+    DTYPES,
+    assert_close,
+    bool_mask,
+    make_mask,
+    make_state_dict,
+    randn,
+    relayout,
+    weights_from_state_dict,
+)
 
 import pyattn
 from pyattn import reference
 
-from _helpers import (DTYPES, assert_close, bool_mask, make_mask, make_state_dict, randn,
-                      relayout, weights_from_state_dict)
-
 dtype_param = pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
 
 
-def make_weights(rng, e_q, h, d, e_k=None, e_v=None, hkv=None, e_out=None, bias=True,
-                 dtype=np.float64):
+def make_weights(rng, e_q, h, d, e_k=None, e_v=None, hkv=None, e_out=None, bias=True, dtype=np.float64):
     e_k = e_q if e_k is None else e_k
     e_v = e_q if e_v is None else e_v
     hkv = h if hkv is None else hkv
     e_out = e_q if e_out is None else e_out
     w = dict(
-        w_q=randn(rng, (e_q, h * d), dtype, e_q ** -0.5),
-        w_k=randn(rng, (e_k, hkv * d), dtype, e_k ** -0.5),
-        w_v=randn(rng, (e_v, hkv * d), dtype, e_v ** -0.5),
+        w_q=randn(rng, (e_q, h * d), dtype, e_q**-0.5),
+        w_k=randn(rng, (e_k, hkv * d), dtype, e_k**-0.5),
+        w_v=randn(rng, (e_v, hkv * d), dtype, e_v**-0.5),
         w_o=randn(rng, (h * d, e_out), dtype, (h * d) ** -0.5),
     )
     if bias:
-        w.update(b_q=randn(rng, (h * d,), dtype, 0.5), b_k=randn(rng, (hkv * d,), dtype, 0.5),
-                 b_v=randn(rng, (hkv * d,), dtype, 0.5), b_o=randn(rng, (e_out,), dtype, 0.5))
+        w.update(
+            b_q=randn(rng, (h * d,), dtype, 0.5),
+            b_k=randn(rng, (hkv * d,), dtype, 0.5),
+            b_v=randn(rng, (hkv * d,), dtype, 0.5),
+            b_o=randn(rng, (e_out,), dtype, 0.5),
+        )
     return w
 
 
@@ -43,8 +53,7 @@ def assert_matches_reference(got, gw, args, dtype, **kw):
 
 
 def mha_check(q, k, v, h, w, dtype, **kw):
-    args = (q, k, v, h, w["w_q"], w["w_k"], w["w_v"], w["w_o"],
-            w.get("b_q"), w.get("b_k"), w.get("b_v"), w.get("b_o"))
+    args = (q, k, v, h, w["w_q"], w["w_k"], w["w_v"], w["w_o"], w.get("b_q"), w.get("b_k"), w.get("b_v"), w.get("b_o"))
     got, gw = pyattn.multi_head_attention(*args, **kw)
     assert_matches_reference(got, gw, args, dtype, **kw)
     return got, gw
@@ -54,8 +63,10 @@ def mha_check(q, k, v, h, w, dtype, **kw):
 
 
 @dtype_param
-@pytest.mark.parametrize("b,l,e,h", [(2, 9, 16, 4), (1, 1, 8, 2), (3, 33, 24, 3), (2, 65, 64, 8),
-                                     (1, 128, 32, 1), (2, 17, 12, 12), (1, 257, 48, 4)])
+@pytest.mark.parametrize(
+    "b,l,e,h",
+    [(2, 9, 16, 4), (1, 1, 8, 2), (3, 33, 24, 3), (2, 65, 64, 8), (1, 128, 32, 1), (2, 17, 12, 12), (1, 257, 48, 4)],
+)
 @pytest.mark.parametrize("bias", [True, False])
 def test_self_attention(isa, dtype, b, l, e, h, bias, rng):
     x = randn(rng, (b, l, e), dtype)
@@ -77,18 +88,33 @@ def test_unbatched(isa, dtype, rng):
     mask = make_mask(rng, "bool", (11, 11))
     mha_check(x, x, x, 4, w, dtype, attn_mask=mask, key_padding_mask=np.arange(11) >= 9)
     # unbatched equals batch of one
-    bo, bw = pyattn.multi_head_attention(x[None], x[None], x[None], 4, w["w_q"], w["w_k"],
-                                         w["w_v"], w["w_o"], w["b_q"], w["b_k"], w["b_v"],
-                                         w["b_o"], need_weights=True)
-    uo, uw = pyattn.multi_head_attention(x, x, x, 4, w["w_q"], w["w_k"], w["w_v"], w["w_o"],
-                                         w["b_q"], w["b_k"], w["b_v"], w["b_o"], need_weights=True)
+    bo, bw = pyattn.multi_head_attention(
+        x[None],
+        x[None],
+        x[None],
+        4,
+        w["w_q"],
+        w["w_k"],
+        w["w_v"],
+        w["w_o"],
+        w["b_q"],
+        w["b_k"],
+        w["b_v"],
+        w["b_o"],
+        need_weights=True,
+    )
+    uo, uw = pyattn.multi_head_attention(
+        x, x, x, 4, w["w_q"], w["w_k"], w["w_v"], w["w_o"], w["b_q"], w["b_k"], w["b_v"], w["b_o"], need_weights=True
+    )
     assert_close(uo, bo[0], dtype)
     assert_close(uw, bw[0], dtype)
 
 
 @dtype_param
-@pytest.mark.parametrize("lq,lk,eq,ek,ev,h,d", [(5, 11, 12, 7, 9, 3, 4), (1, 300, 16, 16, 16, 4, 4),
-                                                (33, 2, 8, 20, 6, 2, 8), (17, 17, 10, 10, 10, 5, 3)])
+@pytest.mark.parametrize(
+    "lq,lk,eq,ek,ev,h,d",
+    [(5, 11, 12, 7, 9, 3, 4), (1, 300, 16, 16, 16, 4, 4), (33, 2, 8, 20, 6, 2, 8), (17, 17, 10, 10, 10, 5, 3)],
+)
 def test_cross_attention(isa, dtype, lq, lk, eq, ek, ev, h, d, rng):
     q = randn(rng, (2, lq, eq), dtype)
     k = randn(rng, (2, lk, ek), dtype)
@@ -113,8 +139,7 @@ def test_output_width_differs(isa, dtype, rng):
 def test_gqa_heads(isa, dtype, h, hkv, rng):
     x = randn(rng, (2, 13, 24), dtype)
     w = make_weights(rng, 24, h, 4, hkv=hkv, dtype=dtype)
-    mha_check(x, x, x, h, w, dtype, num_kv_heads=hkv, need_weights=True,
-              average_attn_weights=False)
+    mha_check(x, x, x, h, w, dtype, num_kv_heads=hkv, need_weights=True, average_attn_weights=False)
     mha_check(x, x, x, h, w, dtype, num_kv_heads=hkv, is_causal=True)
 
 
@@ -141,8 +166,7 @@ def test_masks(isa, dtype, shape, kind, padding, rng):
         kpm = np.zeros((b, lk), bool)
         kpm[0, 6:] = True
         kpm[1, :] = True  # batch 1 entirely padding: its rows are zeros, output = b_o
-    out, _ = mha_check(q, kv, kv, h, w, dtype, attn_mask=mask, key_padding_mask=kpm,
-                       need_weights=True)
+    out, _ = mha_check(q, kv, kv, h, w, dtype, attn_mask=mask, key_padding_mask=kpm, need_weights=True)
     if padding:
         assert_close(out[1], np.broadcast_to(w["b_o"], (lq, 12)), dtype)
     assert not np.isnan(out).any()
@@ -160,8 +184,7 @@ def test_noncontiguous_inputs(isa, dtype, how, rng):
         kv2 = np.ascontiguousarray(kv.swapaxes(0, 1)).swapaxes(0, 1)
     else:
         q2, kv2 = relayout(q, how), relayout(kv, how)
-    w2 = {name: (None if a is None else (np.asfortranarray(a) if a.ndim == 2 else a))
-          for name, a in w.items()}
+    w2 = {name: (None if a is None else (np.asfortranarray(a) if a.ndim == 2 else a)) for name, a in w.items()}
     args = (h, w2["w_q"], w2["w_k"], w2["w_v"], w2["w_o"], w2["b_q"], w2["b_k"], w2["b_v"], w2["b_o"])
     got, gw = pyattn.multi_head_attention(q2, kv2, kv2, *args, need_weights=True)
     want, ww = reference.multi_head_attention(q, kv, kv, *args, need_weights=True)
@@ -234,14 +257,12 @@ def test_load_state_dict_copies(rng):
     np.testing.assert_array_equal(after, before)
 
 
-def module_check(m, sd, embed_dim, dtype, q, k=None, v=None, num_heads=None, num_kv_heads=None,
-                 **kw):
+def module_check(m, sd, embed_dim, dtype, q, k=None, v=None, num_heads=None, num_kv_heads=None, **kw):
     w = weights_from_state_dict(sd, embed_dim)
     got, gw = m(q, k, v, **kw)
     kk = q if k is None else k
     vv = q if v is None else v
-    args = (q, kk, vv, num_heads, w["w_q"], w["w_k"], w["w_v"], w["w_o"], w["b_q"], w["b_k"],
-            w["b_v"], w["b_o"])
+    args = (q, kk, vv, num_heads, w["w_q"], w["w_k"], w["w_v"], w["w_o"], w["b_q"], w["b_k"], w["b_v"], w["b_o"])
     assert_matches_reference(got, gw, args, dtype, num_kv_heads=num_kv_heads, **kw)
     return got, gw
 
@@ -257,8 +278,16 @@ def test_module_self_attention(isa, dtype, bias, rng):
     module_check(m, sd, e, dtype, x, x, x, num_heads=h, need_weights=True)
     module_check(m, sd, e, dtype, x, num_heads=h, need_weights=True, average_attn_weights=False)
     module_check(m, sd, e, dtype, x, num_heads=h, is_causal=True)
-    module_check(m, sd, e, dtype, x, num_heads=h, attn_mask=make_mask(rng, "float", (19, 19), dtype),
-                 key_padding_mask=bool_mask(rng, (2, 19), p=0.2))
+    module_check(
+        m,
+        sd,
+        e,
+        dtype,
+        x,
+        num_heads=h,
+        attn_mask=make_mask(rng, "float", (19, 19), dtype),
+        key_padding_mask=bool_mask(rng, (2, 19), p=0.2),
+    )
     module_check(m, sd, e, dtype, x[0], num_heads=h, need_weights=True)  # unbatched
 
 
@@ -298,8 +327,7 @@ def test_module_gqa(isa, dtype, h, hkv, rng):
     assert w["w_q"].shape == (e, e)
     assert w["w_k"].shape == (e, hkv * (e // h)) and w["w_v"].shape == (e, hkv * (e // h))
     x = randn(rng, (2, 11, e), dtype)
-    module_check(m, sd, e, dtype, x, num_heads=h, num_kv_heads=hkv, need_weights=True,
-                 average_attn_weights=False)
+    module_check(m, sd, e, dtype, x, num_heads=h, num_kv_heads=hkv, need_weights=True, average_attn_weights=False)
     module_check(m, sd, e, dtype, x, num_heads=h, num_kv_heads=hkv, is_causal=True)
     # round trip through another instance
     m2 = pyattn.MultiHeadAttention(e, h, num_kv_heads=hkv, dtype=dtype)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _helpers import DTYPES, assert_close, bool_mask, make_mask, randn, relayout
 
 import pyattn
 from pyattn import reference
-
-from _helpers import DTYPES, assert_close, bool_mask, make_mask, randn, relayout
 
 sdpa = pyattn.scaled_dot_product_attention
 ref_sdpa = reference.scaled_dot_product_attention
@@ -38,8 +37,42 @@ def check(args, kwargs=None, dtype=None, extras=("weights", "lse")):
 
 # --------------------------------------------------------------------------- lengths
 
-LENGTHS = [1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 23, 24, 25, 31, 32, 33, 47, 48, 49,
-           63, 64, 65, 95, 96, 97, 127, 128, 129, 255, 256, 257, 300, 384, 511]
+LENGTHS = [
+    1,
+    2,
+    3,
+    5,
+    7,
+    8,
+    9,
+    15,
+    16,
+    17,
+    23,
+    24,
+    25,
+    31,
+    32,
+    33,
+    47,
+    48,
+    49,
+    63,
+    64,
+    65,
+    95,
+    96,
+    97,
+    127,
+    128,
+    129,
+    255,
+    256,
+    257,
+    300,
+    384,
+    511,
+]
 HEAD_DIMS = [8, 16, 32, 64, 17, 48, 3, 1, 24, 7, 128]
 
 
@@ -51,8 +84,24 @@ def test_self_attention_lengths(isa, dtype, L, rng):
     check((q, k, v), dtype=dtype)
 
 
-CROSS = [(1, 300), (300, 1), (2, 3), (3, 2), (7, 65), (65, 7), (33, 128), (129, 31),
-         (17, 256), (256, 17), (96, 97), (1, 1), (8, 9), (9, 8), (47, 200), (250, 63)]
+CROSS = [
+    (1, 300),
+    (300, 1),
+    (2, 3),
+    (3, 2),
+    (7, 65),
+    (65, 7),
+    (33, 128),
+    (129, 31),
+    (17, 256),
+    (256, 17),
+    (96, 97),
+    (1, 1),
+    (8, 9),
+    (9, 8),
+    (47, 200),
+    (250, 63),
+]
 
 
 @dtype_param
@@ -92,10 +141,36 @@ def test_empty_batch(isa, dtype, rng):
 
 # --------------------------------------------------------------------------- head dims
 
-E_EV = [(1, 1), (1, 3), (2, 5), (3, 2), (4, 7), (7, 4), (8, 16), (15, 17), (16, 8),
-        (17, 33), (31, 32), (32, 64), (33, 31), (48, 80), (63, 65), (64, 128), (96, 80),
-        (127, 129), (128, 64), (129, 127), (200, 256), (256, 128), (256, 256), (512, 384),
-        (1024, 1000), (0, 4), (4, 0), (0, 0)]
+E_EV = [
+    (1, 1),
+    (1, 3),
+    (2, 5),
+    (3, 2),
+    (4, 7),
+    (7, 4),
+    (8, 16),
+    (15, 17),
+    (16, 8),
+    (17, 33),
+    (31, 32),
+    (32, 64),
+    (33, 31),
+    (48, 80),
+    (63, 65),
+    (64, 128),
+    (96, 80),
+    (127, 129),
+    (128, 64),
+    (129, 127),
+    (200, 256),
+    (256, 128),
+    (256, 256),
+    (512, 384),
+    (1024, 1000),
+    (0, 4),
+    (4, 0),
+    (0, 0),
+]
 
 
 @dtype_param
@@ -132,8 +207,11 @@ BROADCAST = {
 }
 
 
-BROADCAST_PARAMS = [(case, kind) for case, shapes in BROADCAST.items()
-                    for kind in (["bool", "float"] if shapes[3] is not None else [None])]
+BROADCAST_PARAMS = [
+    (case, kind)
+    for case, shapes in BROADCAST.items()
+    for kind in (["bool", "float"] if shapes[3] is not None else [None])
+]
 
 
 @dtype_param
@@ -173,9 +251,7 @@ def test_masks(isa, dtype, shape, kind, rng):
         mask = make_mask(rng, kind, mshape, dtype)
     (out, w, lse), _ = check((q, k, v, mask), dtype=dtype)
     # forbidden keys get exactly zero weight; rows with no allowed key are exactly zero
-    allowed = np.broadcast_to(
-        mask if mask.dtype == bool else np.isfinite(mask), w.shape
-    )
+    allowed = np.broadcast_to(mask if mask.dtype == bool else np.isfinite(mask), w.shape)
     assert np.all(w[~allowed] == 0.0)
     dead = ~allowed.any(axis=-1)
     if "full_rows" in kind:
@@ -216,8 +292,22 @@ def test_mask_with_large_bias(isa, dtype, rng):
 
 # --------------------------------------------------------------------------- causal
 
-CAUSAL_SHAPES = [(1, 1), (5, 5), (17, 17), (64, 64), (129, 129), (7, 20), (20, 7),
-                 (1, 300), (16, 257), (257, 16), (33, 96), (96, 33), (2, 3), (3, 2)]
+CAUSAL_SHAPES = [
+    (1, 1),
+    (5, 5),
+    (17, 17),
+    (64, 64),
+    (129, 129),
+    (7, 20),
+    (20, 7),
+    (1, 300),
+    (16, 257),
+    (257, 16),
+    (33, 96),
+    (96, 33),
+    (2, 3),
+    (3, 2),
+]
 
 
 @dtype_param
@@ -258,8 +348,7 @@ def test_gqa(isa, dtype, hq, hkv, rng):
     k = randn(rng, (2, hkv, 29, 32), dtype)
     v = randn(rng, (2, hkv, 29, 24), dtype)
     check((q, k, v), dict(enable_gqa=True), dtype=dtype)
-    check((q, k, v), dict(enable_gqa=True, is_causal=True, causal_align="bottom_right"),
-          dtype=dtype)
+    check((q, k, v), dict(enable_gqa=True, is_causal=True, causal_align="bottom_right"), dtype=dtype)
     mask = make_mask(rng, "bool_full_rows", (2, hq, 13, 29))
     check((q, k, v, mask), dict(enable_gqa=True), dtype=dtype)
     # query head h must use kv head h // (hq // hkv) (repeat_interleave, not tile)
@@ -281,8 +370,17 @@ def test_gqa_5d(isa, dtype, rng):
 # --------------------------------------------------------------------------- layouts
 
 
-LAYOUTS = ["fortran", "swapaxes", "transposed_last", "row_slice", "col_slice", "reversed",
-           "offset", "unaligned", "byteswapped"]
+LAYOUTS = [
+    "fortran",
+    "swapaxes",
+    "transposed_last",
+    "row_slice",
+    "col_slice",
+    "reversed",
+    "offset",
+    "unaligned",
+    "byteswapped",
+]
 
 
 @dtype_param
@@ -404,8 +502,7 @@ def test_scale(isa, dtype, scale, rng):
     k = randn(rng, (2, 2, 18, 16), dtype)
     v = randn(rng, (2, 2, 18, 16), dtype)
     check((q, k, v), dict(scale=scale), dtype=dtype)
-    check((q, k, v, make_mask(rng, "float", (15, 18), dtype)),
-          dict(scale=scale, is_causal=True), dtype=dtype)
+    check((q, k, v, make_mask(rng, "float", (15, 18), dtype)), dict(scale=scale, is_causal=True), dtype=dtype)
 
 
 @dtype_param
@@ -445,15 +542,27 @@ def test_row_max_moves_across_key_blocks(isa, dtype, pattern, causal, rng):
     assert np.isfinite(out).all() and np.isfinite(lse).all()
     if pattern == "spike":  # the rows that see key 450 take (almost exactly) its value
         rows = slice(450, None) if causal else slice(None)
-        np.testing.assert_allclose(out[..., rows, :], np.broadcast_to(v[..., 450:451, :], out[..., rows, :].shape),
-                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            out[..., rows, :], np.broadcast_to(v[..., 450:451, :], out[..., rows, :].shape), rtol=1e-5, atol=1e-5
+        )
 
 
 # --------------------------------------------------------------------------- decode
 
-DECODE = [(1, 100, 8, 8), (1, 1000, 8, 2), (1, 2048, 32, 1), (1, 4096, 4, 4), (2, 513, 8, 2),
-          (1, 3000, 1, 1), (3, 2500, 1, 1),
-          (4, 777, 4, 1), (7, 1500, 8, 4), (16, 1024, 8, 2), (16, 301, 2, 2), (3, 64, 4, 2)]
+DECODE = [
+    (1, 100, 8, 8),
+    (1, 1000, 8, 2),
+    (1, 2048, 32, 1),
+    (1, 4096, 4, 4),
+    (2, 513, 8, 2),
+    (1, 3000, 1, 1),
+    (3, 2500, 1, 1),
+    (4, 777, 4, 1),
+    (7, 1500, 8, 4),
+    (16, 1024, 8, 2),
+    (16, 301, 2, 2),
+    (3, 64, 4, 2),
+]
 
 
 @dtype_param
@@ -472,8 +581,18 @@ def test_decode(isa, dtype, lq, lk, hq, hkv, rng):
 
 
 @dtype_param
-@pytest.mark.parametrize("pattern", ["first_half_masked", "last_half_masked", "one_key_middle",
-                                     "one_key_first", "one_key_last", "all_masked", "stripes"])
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "first_half_masked",
+        "last_half_masked",
+        "one_key_middle",
+        "one_key_first",
+        "one_key_last",
+        "all_masked",
+        "stripes",
+    ],
+)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_masked_chunks(isa, dtype, pattern, threads, rng):
     """Split-K decode: chunks whose keys are all masked must merge without NaN."""
@@ -485,7 +604,7 @@ def test_decode_masked_chunks(isa, dtype, pattern, threads, rng):
     if pattern == "first_half_masked":
         allowed[: lk // 2 + 250] = False
     elif pattern == "last_half_masked":
-        allowed[lk // 2 - 250:] = False
+        allowed[lk // 2 - 250 :] = False
     elif pattern.startswith("one_key"):
         allowed[:] = False
         allowed[{"one_key_middle": lk // 2 + 1, "one_key_first": 0, "one_key_last": lk - 1}[pattern]] = True
@@ -498,8 +617,7 @@ def test_decode_masked_chunks(isa, dtype, pattern, threads, rng):
         check((q, k, v, np.where(allowed, 0.0, -np.inf).astype(dtype)), dtype=dtype)
         # the same pattern with several queries in a chunked-prefill (bottom_right causal)
         q4 = randn(rng, (1, 2, 4, 64), dtype)
-        check((q4, k, v, allowed), dict(is_causal=True, causal_align="bottom_right",
-                                        return_weights=False), dtype=dtype)
+        check((q4, k, v, allowed), dict(is_causal=True, causal_align="bottom_right", return_weights=False), dtype=dtype)
     assert not np.isnan(out).any()
 
 
@@ -509,8 +627,7 @@ def test_many_small_heads(isa, dtype, rng):
     k = randn(rng, (32, 16, 7, 8), dtype)
     v = randn(rng, (32, 16, 7, 8), dtype)
     check((q, k, v), dtype=dtype)
-    check((q, k, v, make_mask(rng, "bool_full_rows", (32, 1, 5, 7))),
-          dict(is_causal=True), dtype=dtype)
+    check((q, k, v, make_mask(rng, "bool_full_rows", (32, 1, 5, 7))), dict(is_causal=True), dtype=dtype)
 
 
 @dtype_param
@@ -528,13 +645,16 @@ def test_decode_batched_padding(isa, dtype, rng):
 # --------------------------------------------------------------------------- dtypes
 
 
-@pytest.mark.parametrize("dts", [
-    (np.float32, np.float64, np.float32),
-    (np.float64, np.float32, np.float32),
-    (np.float32, np.float32, np.float64),
-    (np.float64, np.float64, np.float64),
-    (np.float32, np.float32, np.float32),
-])
+@pytest.mark.parametrize(
+    "dts",
+    [
+        (np.float32, np.float64, np.float32),
+        (np.float64, np.float32, np.float32),
+        (np.float32, np.float32, np.float64),
+        (np.float64, np.float64, np.float64),
+        (np.float32, np.float32, np.float32),
+    ],
+)
 def test_mixed_dtypes(isa, dts, rng):
     q = randn(rng, (2, 2, 9, 16), dts[0])
     k = randn(rng, (2, 2, 11, 16), dts[1])
@@ -604,8 +724,7 @@ def test_inf_input_does_not_crash(isa, dtype, rng):
 
 
 @dtype_param
-@pytest.mark.parametrize("lq,lk,hq,hkv", [(1, 1500, 8, 2), (4, 700, 2, 1), (64, 64, 4, 4),
-                                          (129, 300, 2, 2)])
+@pytest.mark.parametrize("lq,lk,hq,hkv", [(1, 1500, 8, 2), (4, 700, 2, 1), (64, 64, 4, 4), (129, 300, 2, 2)])
 def test_threads_agree(isa, dtype, lq, lk, hq, hkv, rng):
     q = randn(rng, (1, hq, lq, 48), dtype)
     k = randn(rng, (1, hkv, lk, 48), dtype)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from hypothesis import given, strategies as st
+from _helpers import assert_close, randn
+from hypothesis import given
+from hypothesis import strategies as st
 
 import pyattn
 from pyattn import reference
-
-from _helpers import assert_close, randn
 
 sdpa = pyattn.scaled_dot_product_attention
 
@@ -39,8 +39,11 @@ def problems(draw, max_l=70, max_e=40, causal=True, gqa=True):
     if mask_kind is not None:
         p = draw(st.sampled_from([0.1, 0.5, 0.9]))
         allowed = rng.random((b, 1, lq, lk)) < p
-        mask = allowed if mask_kind == "bool" else np.where(
-            allowed, rng.uniform(-1, 1, allowed.shape), -np.inf).astype(dtype)
+        mask = (
+            allowed
+            if mask_kind == "bool"
+            else np.where(allowed, rng.uniform(-1, 1, allowed.shape), -np.inf).astype(dtype)
+        )
     kw = dict(enable_gqa=g > 1)
     if causal and draw(st.booleans()):
         kw.update(is_causal=True, causal_align=draw(st.sampled_from(["top_left", "bottom_right"])))
@@ -88,8 +91,7 @@ def test_masked_keys_get_exactly_zero_weight(isa, prob):
 def test_matches_reference(isa, prob):
     q, k, v, mask, kw = prob
     got = sdpa(q, k, v, mask, return_weights=True, return_lse=True, **kw)
-    want = reference.scaled_dot_product_attention(q, k, v, mask, return_weights=True,
-                                                  return_lse=True, **kw)
+    want = reference.scaled_dot_product_attention(q, k, v, mask, return_weights=True, return_lse=True, **kw)
     for name, g, w in zip(["output", "weights", "lse"], got, want):
         assert_close(g, w, q.dtype, what=name)
 
@@ -149,8 +151,7 @@ def test_one_and_two_threads_agree(isa, prob):
         assert_close(a, b.astype(np.float64), tol=tol)
 
 
-@given(st.integers(1, 16), st.integers(100, 3000), st.sampled_from([(8, 1), (8, 2), (4, 4)]),
-       dtypes, seeds)
+@given(st.integers(1, 16), st.integers(100, 3000), st.sampled_from([(8, 1), (8, 2), (4, 4)]), dtypes, seeds)
 def test_decode_threads_agree(isa, lq, lk, heads, dtype, seed):
     """Decode shapes (few queries, long cache): split-K across threads must merge exactly."""
     rng = np.random.default_rng(seed)
@@ -192,8 +193,7 @@ def test_softmax_properties(isa, shape, dtype, seed, data):
     tol = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(p.astype(np.float64).sum(axis=axis), 1.0, atol=4 * tol)
     # shift invariance: softmax(x + c) == softmax(x)
-    assert_close(pyattn.softmax(x + dtype(3.0), axis=axis), p.astype(np.float64),
-                 tol=4 * tol)
+    assert_close(pyattn.softmax(x + dtype(3.0), axis=axis), p.astype(np.float64), tol=4 * tol)
     assert_close(p, reference.softmax(x, axis=axis), dtype)
 
 

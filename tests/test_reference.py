@@ -6,10 +6,9 @@ import math
 
 import numpy as np
 import pytest
+from _helpers import bool_mask, randn
 
 from pyattn import reference
-
-from _helpers import bool_mask, randn
 
 
 def loop_attention(q, k, v, allowed=None, bias=None, scale=None):
@@ -64,8 +63,15 @@ def test_sdpa_against_loops(lq, lk, e, ev, mask, causal):
         allowed &= np.arange(lk)[None, :] <= np.arange(lq)[:, None] + lk - lq
     want = loop_attention(q, k, v, allowed, bias)
     got = reference.scaled_dot_product_attention(
-        q, k, v, m, is_causal=causal is not None, causal_align=causal or "top_left",
-        return_weights=True, return_lse=True)
+        q,
+        k,
+        v,
+        m,
+        is_causal=causal is not None,
+        causal_align=causal or "top_left",
+        return_weights=True,
+        return_lse=True,
+    )
     for g, w in zip(got, want):
         assert g.dtype == np.float64
         np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-13)
@@ -82,8 +88,9 @@ def test_reference_gqa_is_repeat_interleave():
 
 
 def test_reference_empty():
-    z = reference.scaled_dot_product_attention(np.ones((3, 4)), np.ones((0, 4)), np.ones((0, 2)),
-                                               return_weights=True, return_lse=True)
+    z = reference.scaled_dot_product_attention(
+        np.ones((3, 4)), np.ones((0, 4)), np.ones((0, 2)), return_weights=True, return_lse=True
+    )
     assert z[0].shape == (3, 2) and np.all(z[0] == 0)
     assert z[1].shape == (3, 0) and np.all(np.isneginf(z[2]))
     e = reference.scaled_dot_product_attention(np.ones((0, 4)), np.ones((5, 4)), np.ones((5, 2)))
@@ -108,9 +115,9 @@ def test_reference_mha_against_loops():
     wq, wk, wv, wo = (randn(rng, (e, e)) for _ in range(4))
     bq, bk, bv, bo = (randn(rng, (e,)) for _ in range(4))
     kpm = np.array([[False, False, True, False], [False, False, False, False]])
-    out, w = reference.multi_head_attention(x, x, x, h, wq, wk, wv, wo, bq, bk, bv, bo,
-                                            key_padding_mask=kpm, need_weights=True,
-                                            average_attn_weights=False)
+    out, w = reference.multi_head_attention(
+        x, x, x, h, wq, wk, wv, wo, bq, bk, bv, bo, key_padding_mask=kpm, need_weights=True, average_attn_weights=False
+    )
     for bi in range(b):
         heads = []
         for hi in range(h):
@@ -134,10 +141,12 @@ def test_reference_mha_torch_3d_mask_layout():
     ws = [randn(rng, (e, e)) for _ in range(4)]
     m3 = bool_mask(rng, (b * h, l, l))
     m3[..., 0] = True
-    o3, w3 = reference.multi_head_attention(x, x, x, h, *ws, attn_mask=m3, need_weights=True,
-                                            average_attn_weights=False)
-    o4, w4 = reference.multi_head_attention(x, x, x, h, *ws, attn_mask=m3.reshape(b, h, l, l),
-                                            need_weights=True, average_attn_weights=False)
+    o3, w3 = reference.multi_head_attention(
+        x, x, x, h, *ws, attn_mask=m3, need_weights=True, average_attn_weights=False
+    )
+    o4, w4 = reference.multi_head_attention(
+        x, x, x, h, *ws, attn_mask=m3.reshape(b, h, l, l), need_weights=True, average_attn_weights=False
+    )
     np.testing.assert_array_equal(o3, o4)
     assert np.all(w3[~m3.reshape(b, h, l, l)] == 0.0)
 

@@ -6,11 +6,10 @@ import math
 
 import numpy as np
 import pytest
+from _helpers import assert_close
 
 import pyattn
 from pyattn import reference
-
-from _helpers import assert_close
 
 IMPLS = [pytest.param(pyattn, id="pyattn"), pytest.param(reference, id="reference")]
 
@@ -88,8 +87,7 @@ def test_sinusoidal_d2(lib):
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
-@pytest.mark.parametrize("kw", [{}, {"num_kv_heads": 2}, {"kdim": 96, "vdim": 80}],
-                         ids=["packed", "gqa", "kdim_vdim"])
+@pytest.mark.parametrize("kw", [{}, {"num_kv_heads": 2}, {"kdim": 96, "vdim": 80}], ids=["packed", "gqa", "kdim_vdim"])
 def test_attention_parameter_count(bias, kw):
     """The seeds' count: W_q, W_k, W_v, W_o of d_model x d_model (4 d_model^2, ~1M at 512),
     derived from the layer's shapes and checked against its state_dict and num_parameters()."""
@@ -100,8 +98,7 @@ def test_attention_parameter_count(bias, kw):
     if not kw:  # torch packs q, k, v into one in_proj_weight
         shapes = {"in_proj_weight": (3 * d_model, d_model)}
     else:
-        shapes = {"q_proj_weight": (d_model, d_model), "k_proj_weight": (kv, kdim),
-                  "v_proj_weight": (kv, vdim)}
+        shapes = {"q_proj_weight": (d_model, d_model), "k_proj_weight": (kv, kdim), "v_proj_weight": (kv, vdim)}
     shapes["out_proj.weight"] = (d_model, d_model)
     if bias:
         shapes["in_proj_bias"] = (d_model + 2 * kv,)
@@ -160,9 +157,23 @@ def _cat_sat_down():
         heads.append(w_h @ V[:, cols])
     mh_output = np.concatenate(heads, axis=-1) @ W_o
     return dict(
-        pe=pe, x=x, W_q=W_q, W_k=W_k, W_v=W_v, W_o=W_o, Q=Q, K=K, V=V, scores=scores,
-        weights=weights, output=output, c_weights=c_weights, c_output=c_output,
-        mh_output=mh_output, mh_weights=np.mean(head_w, axis=0), head_w=np.stack(head_w),
+        pe=pe,
+        x=x,
+        W_q=W_q,
+        W_k=W_k,
+        W_v=W_v,
+        W_o=W_o,
+        Q=Q,
+        K=K,
+        V=V,
+        scores=scores,
+        weights=weights,
+        output=output,
+        c_weights=c_weights,
+        c_output=c_output,
+        mh_output=mh_output,
+        mh_weights=np.mean(head_w, axis=0),
+        head_w=np.stack(head_w),
     )
 
 
@@ -195,9 +206,7 @@ def test_cat_sat_down_attention(lib):
     out, w = lib.scaled_dot_product_attention(c["Q"], c["K"], c["V"], return_weights=True)
     assert_close(w, c["weights"], np.float64)
     assert_close(out, c["output"], np.float64)
-    out, w = lib.scaled_dot_product_attention(
-        c["Q"], c["K"], c["V"], is_causal=True, return_weights=True
-    )
+    out, w = lib.scaled_dot_product_attention(c["Q"], c["K"], c["V"], is_causal=True, return_weights=True)
     assert_close(w, c["c_weights"], np.float64)
     assert_close(out, c["c_output"], np.float64)
     out32 = lib.scaled_dot_product_attention(
@@ -215,14 +224,20 @@ def test_cat_sat_down_multi_head(lib):
     assert_close(out, c["mh_output"], np.float64)
     assert_close(w, c["mh_weights"], np.float64)
     out, w = lib.multi_head_attention(
-        c["x"][None], c["x"][None], c["x"][None], 2, c["W_q"], c["W_k"], c["W_v"], c["W_o"],
-        need_weights=True, average_attn_weights=False,
+        c["x"][None],
+        c["x"][None],
+        c["x"][None],
+        2,
+        c["W_q"],
+        c["W_k"],
+        c["W_v"],
+        c["W_o"],
+        need_weights=True,
+        average_attn_weights=False,
     )
     assert_close(out, c["mh_output"][None], np.float64)
     assert_close(w, c["head_w"][None], np.float64)
-    out, w = lib.multi_head_attention(
-        c["x"], c["x"], c["x"], 2, c["W_q"], c["W_k"], c["W_v"], c["W_o"]
-    )
+    out, w = lib.multi_head_attention(c["x"], c["x"], c["x"], 2, c["W_q"], c["W_k"], c["W_v"], c["W_o"])
     assert w is None
 
 

@@ -8,10 +8,10 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
+from _helpers import assert_close, bool_mask, randn  # noqa: E402
+
 import pyattn  # noqa: E402
 from pyattn import reference  # noqa: E402
-
-from _helpers import assert_close, bool_mask, randn  # noqa: E402
 
 sdpa = pyattn.scaled_dot_product_attention
 
@@ -40,8 +40,10 @@ def N(t):
 
 
 @dtype_param
-@pytest.mark.parametrize("lq,lk,e,ev", [(1, 1, 8, 8), (7, 7, 16, 16), (33, 65, 64, 64),
-                                        (64, 17, 32, 48), (128, 128, 64, 32), (5, 300, 24, 8)])
+@pytest.mark.parametrize(
+    "lq,lk,e,ev",
+    [(1, 1, 8, 8), (7, 7, 16, 16), (33, 65, 64, 64), (64, 17, 32, 48), (128, 128, 64, 32), (5, 300, 24, 8)],
+)
 def test_sdpa_plain(dtype, lq, lk, e, ev):
     rng = np.random.default_rng(lq * 1000 + lk)
     q, k, v = randn(rng, (2, 3, lq, e), dtype), randn(rng, (2, 3, lk, e), dtype), randn(rng, (2, 3, lk, ev), dtype)
@@ -100,8 +102,7 @@ def test_sdpa_gqa(dtype, hq, hkv, causal):
     k = randn(rng, (2, hkv, 11, 16), dtype)
     v = randn(rng, (2, hkv, 11, 8), dtype)
     want = N(F.scaled_dot_product_attention(T(q), T(k), T(v), is_causal=causal, enable_gqa=True))
-    assert_close(sdpa(q, k, v, is_causal=causal, enable_gqa=True), want, dtype,
-                 tol=TORCH_TOL[dtype])
+    assert_close(sdpa(q, k, v, is_causal=causal, enable_gqa=True), want, dtype, tol=TORCH_TOL[dtype])
 
 
 @dtype_param
@@ -121,8 +122,7 @@ def test_reference_matches_torch():
     q, k, v = randn(rng, (2, 4, 9, 16)), randn(rng, (2, 2, 12, 16)), randn(rng, (2, 2, 12, 8))
     mask = rng.random((2, 1, 9, 12)) < 0.7
     mask[..., 0] = True
-    want = N(F.scaled_dot_product_attention(T(q), T(k), T(v), attn_mask=T(mask), enable_gqa=True,
-                                            scale=0.3))
+    want = N(F.scaled_dot_product_attention(T(q), T(k), T(v), attn_mask=T(mask), enable_gqa=True, scale=0.3))
     got = reference.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, scale=0.3)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
@@ -194,8 +194,7 @@ def test_mha_masks(dtype, kind, padding):
         kpm = np.zeros((b, lk), bool)
         kpm[1, 5:] = True
         kpm[2, 1:3] = True  # key 0 is always kept, so no row is fully masked
-    want, ww = run_torch(m, q, kv, kv, attn_mask=T(t_mask), key_padding_mask=T(kpm),
-                         need_weights=True)
+    want, ww = run_torch(m, q, kv, kv, attn_mask=T(t_mask), key_padding_mask=T(kpm), need_weights=True)
     got, gw = p(q, kv, kv, attn_mask=p_mask, key_padding_mask=kpm, need_weights=True)
     assert_close(got, want, dtype, tol=TORCH_TOL[dtype])
     assert_close(gw, ww, dtype, tol=TORCH_TOL[dtype])
@@ -280,8 +279,7 @@ def test_state_dict_round_trip(kw):
     # and a pyattn-initialised layer loads into torch and runs identically
     p2 = pyattn.MultiHeadAttention(e, h, rng=np.random.default_rng(2), **kw)
     m2 = torch.nn.MultiheadAttention(e, h, batch_first=True, **kw).eval()
-    m2.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v))
-                        for k, v in p2.state_dict().items()})
+    m2.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in p2.state_dict().items()})
     rng = np.random.default_rng(6)
     q = randn(rng, (2, 5, e), np.float32)
     k = randn(rng, (2, 6, kw.get("kdim", e)), np.float32)
@@ -303,10 +301,23 @@ def test_reference_mha_matches_torch():
     q, kv = randn(rng, (2, 6, e)), randn(rng, (2, 9, e))
     kpm = np.zeros((2, 9), bool)
     kpm[0, 4:] = True
-    want, ww = run_torch(m, q, kv, kv, key_padding_mask=T(kpm), need_weights=True,
-                         average_attn_weights=False)
+    want, ww = run_torch(m, q, kv, kv, key_padding_mask=T(kpm), need_weights=True, average_attn_weights=False)
     got, gw = reference.multi_head_attention(
-        q, kv, kv, h, w["w_q"], w["w_k"], w["w_v"], w["w_o"], w["b_q"], w["b_k"], w["b_v"],
-        w["b_o"], key_padding_mask=kpm, need_weights=True, average_attn_weights=False)
+        q,
+        kv,
+        kv,
+        h,
+        w["w_q"],
+        w["w_k"],
+        w["w_v"],
+        w["w_o"],
+        w["b_q"],
+        w["b_k"],
+        w["b_v"],
+        w["b_o"],
+        key_padding_mask=kpm,
+        need_weights=True,
+        average_attn_weights=False,
+    )
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(gw, ww, rtol=1e-12, atol=1e-12)

@@ -9,6 +9,7 @@
 
 namespace pyattn {
 
+// clang-format off: the argument structs keep each pointer with its strides on one line
 using index_t = std::int64_t;
 
 enum class Dtype : int { f32 = 0, f64 = 1 };
@@ -59,6 +60,8 @@ struct AttnArgs {
   int nthreads;
 };
 
+// clang-format on
+
 struct IsaTable {
   const char* name;
   void (*gemm[2])(const GemmArgs&);
@@ -73,7 +76,7 @@ extern const IsaTable isa_avx512;
 
 // Process-wide state, defined in frame/dispatch.cpp (compiled for the baseline ISA only).
 const IsaTable& active_isa();
-bool set_active_isa(const char* name);   // false if unknown or unsupported by this CPU
+bool set_active_isa(const char* name);  // false if unknown or unsupported by this CPU
 int isa_supported(const char* name);
 int default_num_threads();
 int get_num_threads();

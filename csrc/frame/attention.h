@@ -32,9 +32,9 @@ struct Attention {
 
   const AttnArgs& a;
   const T *query, *key, *value;  // read in place: only the small Q^T panel tile is ever packed
-  T *out, *lse, *weights;          // lse and weights are null unless asked for
-  T s2;           // scale * log2(e), folded into Q
-  index_t coff;   // causal: query i may see keys j <= i + coff
+  T *out, *lse, *weights;        // lse and weights are null unless asked for
+  T s2;                          // scale * log2(e), folded into Q
+  index_t coff;                  // causal: query i may see keys j <= i + coff
 
   explicit Attention(const AttnArgs& args)
       : a(args),
@@ -58,16 +58,16 @@ struct Attention {
   // One query panel's state: NR queries, each a column of the transposed tiles. Every buffer
   // has one role; the vectors of per-query statistics are NR long.
   struct Tile {
-    T* qt;     // E x NR: the panel's queries, transposed and scaled by s2 (zero beyond nr)
-    T* st;     // BK x NR: S^T of the current key block, then P^T in place
-    T* acc;    // Ev x NR: the unnormalised output, transposed
-    T* m;      // reference per query (log2 units): -inf until a key was visible
-    T* l;      // sum of P per query, relative to m
-    T* sub;    // exponent offset: m, or 0 where m = -inf (so exp2(-inf - sub) = 0, never NaN)
-    T* alpha;  // rescale of l and acc by the last two-pass update
-    T* cmax;   // column max of the block's scores (fused path: of S^T - sub)
-    T* csum;   // column sums of the block's P^T
-    T* inv;    // 1 / l, or 0 where l = 0 (no key visible), once the panel is finished
+    T* qt;       // E x NR: the panel's queries, transposed and scaled by s2 (zero beyond nr)
+    T* st;       // BK x NR: S^T of the current key block, then P^T in place
+    T* acc;      // Ev x NR: the unnormalised output, transposed
+    T* m;        // reference per query (log2 units): -inf until a key was visible
+    T* l;        // sum of P per query, relative to m
+    T* sub;      // exponent offset: m, or 0 where m = -inf (so exp2(-inf - sub) = 0, never NaN)
+    T* alpha;    // rescale of l and acc by the last two-pass update
+    T* cmax;     // column max of the block's scores (fused path: of S^T - sub)
+    T* csum;     // column sums of the block's P^T
+    T* inv;      // 1 / l (0 where no key was visible, NaN where l is), once the panel is finished
     bool ready;  // every m is finite: unmasked blocks may take the fused path
     bool fresh;  // no key block taken in yet (l and acc are 0)
     int nr;      // the panel's real queries: kernels compute only the vectors that hold them,
@@ -170,8 +170,8 @@ struct Attention {
       for (int p = 0; p < np; ++p) {
         if (j < first[p]) continue;
         if (fused && fused[p])
-          K::ukernel_exp2(mr, a.E, kblk + j * a.k_rs, a.k_rs, 1, t[p].qt, NR, t[p].st + j * NR, NR, t[p].nr,
-                          t[p].sub, t[p].cmax, t[p].csum);
+          K::ukernel_exp2(mr, a.E, kblk + j * a.k_rs, a.k_rs, 1, t[p].qt, NR, t[p].st + j * NR, NR, t[p].nr, t[p].sub,
+                          t[p].cmax, t[p].csum);
         else
           K::ukernel(mr, a.E, kblk + j * a.k_rs, a.k_rs, 1, t[p].qt, NR, t[p].st + j * NR, NR, t[p].nr, false);
       }
@@ -258,7 +258,8 @@ struct Attention {
   PYATTN_PHASE void accumulate(index_t bh, index_t k0, index_t kb, Tile* t, int np, index_t kend) const {
     const T* vblk = value + a.voff[bh] + k0 * a.v_rs;
     // The next block's K rows, spread over the value-column steps.
-    const index_t nnext = min_of<index_t>(BK, kend - k0 - kb), per = ceil_div(nnext, max_of<index_t>(1, ceil_div(a.Ev, MR)));
+    const index_t nnext = min_of<index_t>(BK, kend - k0 - kb),
+                  per = ceil_div(nnext, max_of<index_t>(1, ceil_div(a.Ev, MR)));
     const T* knext = key + a.koff[bh] + (k0 + kb) * a.k_rs;
     for (index_t d = 0, r = 0; d < a.Ev; d += MR, r += per) {
       const int mr = int(min_of<index_t>(MR, a.Ev - d));
@@ -342,7 +343,8 @@ struct Attention {
     for (index_t k0 = 0; k0 < kend; k0 += BK) {
       const index_t kb = min_of<index_t>(BK, kend - k0);
       scores(bh, q0, k0, kb, &t, 1, nullptr, false);
-      for (index_t j = 0; j < kb; ++j) K::exp2_sub_cols(t.st + j * NR, t.sub, t.csum, NR);  // l is final: csum not needed
+      for (index_t j = 0; j < kb; ++j)
+        K::exp2_sub_cols(t.st + j * NR, t.sub, t.csum, NR);  // l is final: csum not needed
       for (index_t c = 0; c < qc; ++c) {
         T* wr = w + c * a.w_rs + k0;
         for (index_t j = 0; j < kb; ++j) wr[j] = t.st[j * NR + c] * inv[c];
@@ -513,18 +515,17 @@ struct Attention {
       }
     };
 
-    team(nt, [&] { return carve_rows(static_cast<T*>(scratch(0, bytes))); },
-         [&](Rows& r, const Team& tm) {
-           tm.for_each(ntasks, true, [&](index_t t) { task(t, r); });
-           if (parts) tm.for_each(ng, false, [&](index_t g) { merge(g, r.acc); });
-         });
+    team(
+        nt, [&] { return carve_rows(static_cast<T*>(scratch(0, bytes))); },
+        [&](Rows& r, const Team& tm) {
+          tm.for_each(ntasks, true, [&](index_t t) { task(t, r); });
+          if (parts) tm.for_each(ng, false, [&](index_t g) { merge(g, r.acc); });
+        });
   }
 
   // Decode when each K/V row would otherwise be read for a single query tile that is mostly
   // padding: few queries per head group, and no weights asked for.
-  static bool use_decode(const AttnArgs& args) {
-    return !args.weights && args.Lq * args.group <= 16 && args.Lq <= 8;
-  }
+  static bool use_decode(const AttnArgs& args) { return !args.weights && args.Lq * args.group <= 16 && args.Lq <= 8; }
 
   static void run(const AttnArgs& args) {
     if (args.bh == 0 || args.Lq == 0) return;

@@ -27,9 +27,13 @@ struct NumLimits<double> {
 inline index_t ceil_div(index_t a, index_t b) { return (a + b - 1) / b; }
 inline index_t round_up(index_t a, index_t b) { return ceil_div(a, b) * b; }
 template <class T>
-inline T min_of(T a, T b) { return a < b ? a : b; }
+inline T min_of(T a, T b) {
+  return a < b ? a : b;
+}
 template <class T>
-inline T max_of(T a, T b) { return a < b ? b : a; }
+inline T max_of(T a, T b) {
+  return a < b ? b : a;
+}
 
 // [begin, end) of `total` items for thread `tid` of `nt`, in contiguous chunks.
 inline void split_range(index_t total, int tid, int nt, index_t& begin, index_t& end) {
@@ -144,8 +148,7 @@ inline void transpose_ref(const T* src, index_t srs, index_t rows, index_t cols,
 //   additive one (scores are kept in base 2). The row starts `off` elements into `mask` (uint8
 //   for bool, T for additive) with element stride cs (0 when broadcast).
 template <class T>
-inline void apply_mask_row(MaskKind kind, const void* mask, index_t off, index_t cs, index_t n, T* s,
-                           index_t stride) {
+inline void apply_mask_row(MaskKind kind, const void* mask, index_t off, index_t cs, index_t n, T* s, index_t stride) {
   if (kind == MaskKind::boolean) {
     const unsigned char* m = static_cast<const unsigned char*>(mask) + off;
     for (index_t j = 0; j < n; ++j)

@@ -74,9 +74,8 @@ struct Gemm {
 
   // One matrix, run by thread `tid` of a team of `nt` (nt == 1: no barriers).
   // ap, bp: shared packing buffers of at least round_up(m,MR)*KC and KC*round_up(n,NR) elements.
-  static void body(const T* a, index_t rsa, index_t csa, const T* b, index_t rsb, index_t csb, T* c,
-                   index_t rsc, index_t csc, index_t m, index_t n, index_t k, int tid, int nt, T* ap,
-                   T* bp) {
+  static void body(const T* a, index_t rsa, index_t csa, const T* b, index_t rsb, index_t csb, T* c, index_t rsc,
+                   index_t csc, index_t m, index_t n, index_t k, int tid, int nt, T* ap, T* bp) {
     const index_t npa = ceil_div(m, MR), npb = ceil_div(n, NR);
     // Each thread takes a rectangle of whole panels: a run of NR-column panels when there are
     // enough of them, else a run of MR-row panels. The operand the threads share is packed by
@@ -123,8 +122,7 @@ struct Gemm {
             const T* apanel = ap + ip * MR * kc;
             for (index_t jp = jb; jp < je; ++jp) {
               const int nr = int(min_of<index_t>(NR, n - jp * NR));
-              tile(kc, apanel, bp + jp * NR * kc, c + ip * MR * rsc + jp * NR * csc, rsc, csc, mr, nr,
-                   pc > 0);
+              tile(kc, apanel, bp + jp * NR * kc, c + ip * MR * rsc + jp * NR * csc, rsc, csc, mr, nr, pc > 0);
             }
           }
         }
@@ -169,8 +167,8 @@ struct Gemm {
       }
     }
   }
-  static void gemv_reduce(const T* part, index_t nch, index_t m, index_t n, T* c, index_t rsc, index_t csc,
-                          index_t j0, index_t j1) {
+  static void gemv_reduce(const T* part, index_t nch, index_t m, index_t n, T* c, index_t rsc, index_t csc, index_t j0,
+                          index_t j1) {
     for (index_t i = 0; i < m; ++i)
       for (index_t j = j0; j < j1; ++j) {
         T s = part[i * n + j];
@@ -215,8 +213,8 @@ struct Gemm {
 
     if (m <= kGemvRows && g.csb == 1) {
       for (index_t bi = 0; bi < g.batch; ++bi)
-        gemv(A + off(g.offa, bi), g.rsa, g.csa, B + off(g.offb, bi), g.rsb, C + off(g.offc, bi), g.rsc, g.csc, m, n,
-             k, threads_for(per, g.nthreads));
+        gemv(A + off(g.offa, bi), g.rsa, g.csa, B + off(g.offb, bi), g.rsb, C + off(g.offc, bi), g.rsc, g.csc, m, n, k,
+             threads_for(per, g.nthreads));
       return;
     }
 

@@ -14,8 +14,8 @@
 // are handed to the epilogue `epi`, inlined, so that they never leave the registers in between.
 template <class Ops, int NV, int M, class Epi>
 static inline __attribute__((always_inline)) void gemm_regtile(index_t k, const typename Ops::T* a, index_t rsa,
-                                                                index_t csa, const typename Ops::T* b, index_t ldb,
-                                                                Epi&& epi) {
+                                                               index_t csa, const typename Ops::T* b, index_t ldb,
+                                                               Epi&& epi) {
   using V = typename Ops::V;
   constexpr int L = Ops::L;
   V acc[M][NV];
@@ -44,8 +44,8 @@ static inline __attribute__((always_inline)) void gemm_regtile(index_t k, const 
 template <int MR, class F>
 static inline void with_rows(int mr, F&& f) {
   static_assert(MR >= 1 && MR <= 8, "register tiles have 1 to 8 rows");
-#define PYATTN_ROWS(M) \
-  case M:              \
+#define PYATTN_ROWS(M)                                                 \
+  case M:                                                              \
     if constexpr (MR >= M) return f(std::integral_constant<int, M>{}); \
     break;
   switch (mr) {
@@ -120,8 +120,7 @@ static inline void gemm_ukernel(int mr, index_t k, const typename Ops::T* a, ind
       T* cr = c + r * ldc;
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v)
-        Ops::maskstore(m[v], cr + v * L,
-                       accumulate ? Ops::add(acc[r][v], Ops::maskload(m[v], cr + v * L)) : acc[r][v]);
+        Ops::maskstore(m[v], cr + v * L, accumulate ? Ops::add(acc[r][v], Ops::maskload(m[v], cr + v * L)) : acc[r][v]);
     }
   });
 }
@@ -297,10 +296,18 @@ struct VecKernels {
   template <int RB>
   static void pv_chunk(const T* p, index_t ps, index_t kb, const T* v, index_t v_rs, int w, T* acc, index_t ldacc) {
     switch ((w + L - 1) / L) {
-      case 8: if constexpr (RB <= 2) pv_block<8, RB>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
-      case 7: if constexpr (RB <= 2) pv_block<7, RB>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
-      case 6: if constexpr (RB <= 2) pv_block<6, RB>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
-      case 5: if constexpr (RB <= 2) pv_block<5, RB>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
+      case 8:
+        if constexpr (RB <= 2) pv_block<8, RB>(p, ps, kb, v, v_rs, w, acc, ldacc);
+        break;
+      case 7:
+        if constexpr (RB <= 2) pv_block<7, RB>(p, ps, kb, v, v_rs, w, acc, ldacc);
+        break;
+      case 6:
+        if constexpr (RB <= 2) pv_block<6, RB>(p, ps, kb, v, v_rs, w, acc, ldacc);
+        break;
+      case 5:
+        if constexpr (RB <= 2) pv_block<5, RB>(p, ps, kb, v, v_rs, w, acc, ldacc);
+        break;
       case 4: pv_block<4, RB>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
       case 3: pv_block<3, RB>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
       case 2: pv_block<2, RB>(p, ps, kb, v, v_rs, w, acc, ldacc); break;

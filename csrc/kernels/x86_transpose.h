@@ -27,8 +27,7 @@ static inline void transpose8x8_ps(const float* src, index_t srs, float* dst, in
 }
 
 //   dst[c*drs + r] = src[r*srs + c], r < rows, c < cols: 8 x 8 blocks in registers, edges scalar
-static inline void transpose_ps(const float* src, index_t srs, index_t rows, index_t cols, float* dst,
-                                index_t drs) {
+static inline void transpose_ps(const float* src, index_t srs, index_t rows, index_t cols, float* dst, index_t drs) {
   index_t r0 = 0;
   for (; r0 + 8 <= rows; r0 += 8) {
     index_t c0 = 0;

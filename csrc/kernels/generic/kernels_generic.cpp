@@ -9,8 +9,8 @@ namespace generic {
 
 // C[mr x nr] (+)= A[mr x k] B[k x NR]; A read through (rsa, csa), B rows NR wide (ldb apart).
 template <class T, int MR, int NR>
-inline void gemm_ukernel_ref(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb,
-                             T* c, index_t ldc, int nr, bool accumulate) {
+inline void gemm_ukernel_ref(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
+                             index_t ldc, int nr, bool accumulate) {
   T acc[MR][NR] = {};
   for (index_t p = 0; p < k; ++p) {
     const T* bp = b + p * ldb;
@@ -112,6 +112,7 @@ struct dgemm_ukernel_4x8_generic : GenericKernels<double> {
 
 }  // namespace generic
 
-const IsaTable isa_generic = generic::make_table<generic::sgemm_ukernel_4x16_generic, generic::dgemm_ukernel_4x8_generic>("generic");
+const IsaTable isa_generic =
+    generic::make_table<generic::sgemm_ukernel_4x16_generic, generic::dgemm_ukernel_4x8_generic>("generic");
 
 }  // namespace pyattn
