@@ -160,9 +160,27 @@ PYBIND11_MODULE(_core, m) {
          index_t k_rs, const py::object& voff, index_t v_rs, const py::object& ooff, index_t o_rs, int mask_kind,
          const py::object& mask, const py::object& moff, index_t m_rs, index_t m_cs, const py::object& lse,
          const py::object& lseoff, index_t lse_s, const py::object& weights, const py::object& woff, index_t w_rs,
-         double scale, int causal) {
+         double scale, bool causal, bool bottom_right, double softcap, const py::object& alibi, const py::object& sinks,
+         index_t win_left, index_t win_right, const py::object& kv_lens, int kv_type) {
 #ifdef PYATTN_DEBUG_CHECKS
-        check_same_dtype(out, {{"q", &q}, {"k", &k}, {"v", &v}, {"lse", &lse}, {"weights", &weights}});
+        check_same_dtype(out, {{"q", &q}, {"lse", &lse}, {"weights", &weights}, {"alibi", &alibi}, {"sinks", &sinks}});
+        PYATTN_DEBUG_CHECK(kv_type >= 0 && kv_type <= 2, "attention: kv_type must be 0, 1 or 2");
+        if (kv_type == 0) check_same_dtype(out, {{"k", &k}, {"v", &v}});
+        if (kv_type != 0)
+          PYATTN_DEBUG_CHECK(out.itemsize() == 4 && k.itemsize() == 2 && v.itemsize() == 2,
+                             "attention: half K/V need 2-byte k and v and a float32 output");
+        PYATTN_DEBUG_CHECK(softcap >= 0 && win_left >= 0 && win_right >= 0, "attention: negative softcap or window");
+        check_matrices("alibi", alibi, py::none(), 1, 1, 0, bh, 1);
+        check_matrices("sinks", sinks, py::none(), 1, 1, 0, bh, 1);
+        if (!kv_lens.is_none()) {
+          const py::array kl = py::cast<py::array>(kv_lens);
+          PYATTN_DEBUG_CHECK(kl.itemsize() == 8 && kl.ndim() == 1 && index_t(kl.shape(0)) >= bh,
+                             "kv_lens: an int64 vector of bh entries");
+          for (index_t i = 0; i < bh; ++i) {
+            const index_t n = static_cast<const index_t*>(kl.data())[i];
+            PYATTN_DEBUG_CHECK(n >= 0 && n <= Lk, "kv_lens: a length outside [0, Lk]");
+          }
+        }
         PYATTN_DEBUG_CHECK(!qoff.is_none() && !koff.is_none() && !voff.is_none() && !ooff.is_none(),
                            "attention: q, k, v and out offsets are required");
         PYATTN_DEBUG_CHECK(group >= 1 && bh % group == 0, "attention: bh must be a multiple of group");
@@ -186,10 +204,13 @@ PYBIND11_MODULE(_core, m) {
                            pyattn::MaskKind(mask_kind), opt_cptr(mask), offs(moff), m_rs, m_cs,
                            opt_mptr(lse), offs(lseoff), lse_s,
                            opt_mptr(weights), offs(woff), w_rs,
-                           scale, pyattn::Causal(causal), pyattn::get_num_threads()};
+                           scale, causal, bottom_right,
+                           softcap, opt_cptr(alibi), opt_cptr(sinks), win_left, win_right, offs(kv_lens),
+                           pyattn::get_num_threads()};
         // clang-format on
         py::gil_scoped_release nogil;
-        pyattn::active_isa().attention[dt(out)](a);
+        const pyattn::IsaTable& isa = pyattn::active_isa();
+        (kv_type == 0 ? isa.attention[dt(out)] : isa.attention_half[kv_type - 1])(a);
       },
       "Fused attention over bh (batch, head) problems at the given element offsets and strides.", py::arg("q"),
       py::arg("k"), py::arg("v"), py::arg("out"), py::arg("bh"), py::arg("Lq"), py::arg("Lk"), py::arg("E"),
@@ -197,7 +218,9 @@ PYBIND11_MODULE(_core, m) {
       py::arg("voff"), py::arg("v_rs"), py::arg("ooff"), py::arg("o_rs"), py::arg("mask_kind"),
       py::arg("mask").none(true), py::arg("moff").none(true), py::arg("m_rs"), py::arg("m_cs"),
       py::arg("lse").none(true), py::arg("lseoff").none(true), py::arg("lse_s"), py::arg("weights").none(true),
-      py::arg("woff").none(true), py::arg("w_rs"), py::arg("scale"), py::arg("causal"));
+      py::arg("woff").none(true), py::arg("w_rs"), py::arg("scale"), py::arg("causal"), py::arg("bottom_right"),
+      py::arg("softcap"), py::arg("alibi").none(true), py::arg("sinks").none(true), py::arg("win_left"),
+      py::arg("win_right"), py::arg("kv_lens").none(true), py::arg("kv_type"));
 
   m.def("isa", [] { return std::string(pyattn::active_isa().name); }, "Name of the kernel set in use.");
   m.def(

@@ -27,13 +27,17 @@ from ._validate import (
     compute_dtype,
     elem_strides,
     float_array,
+    key_counts,
     lead_offsets,
     mask_array,
     overlaps,
+    per_head,
     positive_int,
     same_layout,
+    softcap_value,
     strided_ok,
     unit_last,
+    window_sides,
     writable_in_place,
 )
 
@@ -48,6 +52,7 @@ __all__ = [
 ]
 
 _CAUSAL = {"top_left": 1, "bottom_right": 2}
+_KV_TYPES = {"float16": 1, "bfloat16": 2}  # half-precision K/V the float32 kernels read as they are
 
 _env_isa = os.environ.get("PYATTN_ISA")
 if _env_isa and _env_isa not in _core.available_isas():
@@ -75,6 +80,11 @@ def scaled_dot_product_attention(
     return_weights=False,
     return_lse=False,
     out=None,
+    window=None,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    kv_lens=None,
 ):
     """Exact ``softmax(Q K^T * scale + mask) V`` without materialising the scores.
 
@@ -85,9 +95,21 @@ def scaled_dot_product_attention(
     with ``attn_mask``. ``enable_gqa`` lets Hq be a multiple of Hkv (query head h reads kv head
     ``h // (Hq // Hkv)``). ``scale`` defaults to ``1/sqrt(E)``.
 
+    Score variants, applied in this order to the score of query i and key j, with ``off = 0``
+    (top_left) or ``Lk - Lq`` (bottom_right; ``kv_lens[b] - Lq`` with kv_lens):
+    ``softcap=c`` gives ``c * tanh(s / c)``; ``alibi_slopes`` (broadcastable to ``(..., Hq)``)
+    subtracts ``slope * |i + off - j|``; the mask; ``window=(left, right)`` hides keys outside
+    ``[i + off - left, i + off + right]`` (a side may be None; with is_causal, right <= 0), and
+    only the blocks inside the window are computed; ``sinks`` (broadcastable to ``(..., Hq)``)
+    add one logit without a value to every row's softmax denominator (and lse); ``kv_lens``
+    (integers broadcastable to the axes before the heads) says how many keys exist per batch
+    entry, so a preallocated cache is read only up to its valid length. key and value may be
+    float16 or bfloat16 (``ml_dtypes.bfloat16``) with a float32 query: they are converted as the
+    kernel reads them.
+
     Returns the output ``(..., Hq, Lq, Ev)``; with ``return_weights`` also the weights
     ``(..., Hq, Lq, Lk)``, with ``return_lse`` also the natural-log log-sum-exp ``(..., Hq, Lq)``
-    of each row (``-inf`` where no key is visible; such rows output zeros).
+    of each row (``-inf`` where no key is visible, or the sink with sinks; such rows output zeros).
     """
     q = float_array(query, "query")
     k = float_array(key, "key")
@@ -96,6 +118,8 @@ def scaled_dot_product_attention(
         if a.ndim < 2:
             raise ValueError(f"{name} must have at least 2 dimensions (..., L, E); got shape {a.shape}")
     dtype = compute_dtype(q, k, v)
+    # float16 / bfloat16 keys and values with a float32 computation are read as they are
+    kv_type = _KV_TYPES.get(k.dtype.name, 0) if dtype == F32 and k.dtype == v.dtype else 0
     Lq, E = q.shape[-2:]
     Lk, Ek = k.shape[-2:]
     Lv, Ev = v.shape[-2:]
@@ -105,6 +129,8 @@ def scaled_dot_product_attention(
         raise ValueError(f"value has length {Lv} (shape {v.shape}); expected Lk = {Lk} from key {k.shape}")
     if causal_align not in _CAUSAL:
         raise ValueError(f"causal_align must be 'top_left' or 'bottom_right'; got {causal_align!r}")
+    win_left, win_right = window_sides(window)
+    cap = softcap_value(softcap)
 
     group = 1
     if enable_gqa:
@@ -149,6 +175,10 @@ def scaled_dot_product_attention(
             ) from None
         m = strided_ok(m)
 
+    slopes = per_head(alibi_slopes, "alibi_slopes", lead, dtype)
+    sink = per_head(sinks, "sinks", lead, dtype)
+    lens = key_counts(kv_lens, lead, Lk)
+
     nlead = len(lead)
     bh = math.prod(lead)
     result = out if out is not None else np.empty(out_shape, dtype)
@@ -158,15 +188,16 @@ def scaled_dot_product_attention(
     if bh and Lq:
         if Lk == 0:
             result[...] = 0
-            if lse is not None:
-                lse[...] = -np.inf
+            if lse is not None:  # no key: the sink alone, or -inf
+                lse[...] = -np.inf if sink is None else sink.reshape(lead + (1,))
         else:
             target = result
             if result.strides[-1] != result.itemsize or not writable_in_place(result) or overlaps(result, q, k, v, m):
                 target = np.empty(out_shape, dtype)
+            kv_dtype = k.dtype if kv_type else dtype
             qb = unit_last(broadcast(cast(q, dtype), lead + (Lq, E)))
-            kb = unit_last(broadcast(cast(k, dtype), kv_lead + (Lk, E)))
-            vb = unit_last(broadcast(cast(v, dtype), kv_lead + (Lk, Ev)))
+            kb = unit_last(broadcast(cast(k, kv_dtype), kv_lead + (Lk, E)))
+            vb = unit_last(broadcast(cast(v, kv_dtype), kv_lead + (Lk, Ev)))
             # query head h reads kv head h // group: each kv offset repeated group times
             koff, voff = lead_offsets(kb, nlead, group), lead_offsets(vb, nlead, group)
             ms = elem_strides(m)[-2:] if m is not None else (0, 0)
@@ -183,7 +214,9 @@ def scaled_dot_product_attention(
                 ms[0], ms[1],  # m_rs, m_cs
                 lse, lead_offsets(lse, nlead) if lse is not None else None, 1,  # lse, lseoff, lse_s
                 weights, lead_offsets(weights, nlead) if weights is not None else None, Lk,  # weights, woff, w_rs
-                scale, _CAUSAL[causal_align] if is_causal else 0,  # scale, causal
+                scale, bool(is_causal), causal_align == "bottom_right",  # scale, causal, bottom_right
+                cap, slopes, sink, win_left, win_right,  # softcap, alibi, sinks, win_left, win_right
+                lens, kv_type,  # kv_lens, kv_type
             )  # fmt: skip
             if target is not result:
                 result[...] = target

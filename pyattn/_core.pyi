@@ -80,12 +80,23 @@ def attention(
     woff: Optional[np.ndarray],
     w_rs: int,
     scale: float,
-    causal: int,
+    causal: bool,
+    bottom_right: bool,
+    softcap: float,
+    alibi: Optional[np.ndarray],
+    sinks: Optional[np.ndarray],
+    win_left: int,
+    win_right: int,
+    kv_lens: Optional[np.ndarray],
+    kv_type: int,
 ) -> None:
     """Attention over bh (batch, head) problems: problem i reads q[qoff[i]:] (Lq x E, row stride
     q_rs, unit feature stride), k[koff[i]:] (Lk x E), v[voff[i]:] (Lk x Ev) and writes
-    out[ooff[i]:] (Lq x Ev); each run of `group` problems shares one K/V. causal: 0 none,
-    1 top-left, 2 bottom-right. weights, if given, must be zero-filled."""
+    out[ooff[i]:] (Lq x Ev); each run of `group` problems shares one K/V. bottom_right aligns
+    causal, window and ALiBi at off = Lk_i - Lq. softcap: 0 for none; alibi, sinks: one value
+    per problem (out's dtype) or None; win_left / win_right: window sides (2**50: unbounded);
+    kv_lens: int64 keys per problem or None; kv_type: 0 K/V of out's dtype, 1 float16, 2 bfloat16
+    (float32 out). weights, if given, must be zero-filled."""
 
 def isa() -> str: ...
 def set_isa(name: str) -> bool: ...

@@ -16,9 +16,9 @@ F64 = np.dtype(np.float64)
 
 
 def float_array(x, name: str) -> np.ndarray:
-    """``np.asarray(x)``, refusing anything but real floating point."""
+    """``np.asarray(x)``, refusing anything but real floating point (bfloat16 included)."""
     a = np.asarray(x)
-    if a.dtype.kind != "f":
+    if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
         raise TypeError(f"{name} must be a float32 or float64 array; got dtype {a.dtype}")
     if a.dtype.itemsize > 8:
         raise TypeError(f"{name}: dtype {a.dtype} is not supported (use float32 or float64)")
@@ -138,3 +138,80 @@ def positive_int(n, name: str) -> int:
     if n < 1:
         raise ValueError(f"{name} must be >= 1; got {n}")
     return int(n)
+
+
+NO_LIMIT = 1 << 50  # a window side without a bound (csrc/frame/api.h's kNoLimit)
+
+
+def window_sides(window) -> tuple:
+    """``window=(left, right)`` as the core's two sides (``NO_LIMIT`` for None); None is no window."""
+    if window is None:
+        return NO_LIMIT, NO_LIMIT
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise ValueError(f"window must be a pair (left, right) of ints >= 0 or None; got {window!r}") from None
+    sides = []
+    for side in (left, right):
+        if side is None:
+            sides.append(NO_LIMIT)
+            continue
+        if isinstance(side, (bool, np.bool_)) or not isinstance(side, (int, np.integer)):
+            raise TypeError(f"window sides must be ints >= 0 or None; got {window!r}")
+        if side < 0:
+            raise ValueError(f"window sides must be >= 0 or None; got {window!r}")
+        sides.append(min(int(side), NO_LIMIT))
+    return sides[0], sides[1]
+
+
+def softcap_value(softcap) -> float:
+    """``softcap`` as a float > 0, or 0.0 for None."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.integer, np.floating)):
+        raise TypeError(f"softcap must be a number > 0 or None; got {type(softcap).__name__}")
+    c = float(softcap)
+    if not (0.0 < c < float("inf")):
+        raise ValueError(f"softcap must be a finite number > 0; got {softcap!r}")
+    return c
+
+
+def per_head(values, name: str, lead: tuple, dtype: np.dtype):
+    """A per-(batch, head) quantity (ALiBi slopes, sinks) broadcast to ``lead`` = (..., Hq) and
+    flattened in the core's problem order (contiguous, ``dtype``); None stays None."""
+    if values is None:
+        return None
+    a = np.asarray(values)
+    if a.dtype.kind not in "fiu" and a.dtype.name != "bfloat16":
+        raise TypeError(f"{name} must be a float array; got dtype {a.dtype}")
+    if not lead and a.size == 1:  # one head (no heads axis): a scalar or a length-1 vector
+        a = a.reshape(())
+    try:
+        b = np.broadcast_to(a, lead)
+    except ValueError:
+        raise ValueError(
+            f"{name} has shape {a.shape}; expected a shape broadcastable to {lead} (one per query head)"
+        ) from None
+    return np.ascontiguousarray(b, dtype=dtype).reshape(-1)
+
+
+def key_counts(kv_lens, lead: tuple, Lk: int):
+    """``kv_lens`` (keys that exist per batch entry, broadcastable to the axes before the heads)
+    as one int64 count per (batch, head) problem; None stays None."""
+    if kv_lens is None:
+        return None
+    a = np.asarray(kv_lens)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"kv_lens must be an integer array; got dtype {a.dtype}")
+    batch = lead[:-1]
+    if not batch and a.size == 1:
+        a = a.reshape(())
+    try:
+        b = np.broadcast_to(a, batch)
+    except ValueError:
+        raise ValueError(
+            f"kv_lens has shape {a.shape}; expected a shape broadcastable to {batch} (the axes before the heads)"
+        ) from None
+    if b.size and (b.min() < 0 or b.max() > Lk):
+        raise ValueError(f"kv_lens must be in [0, Lk = {Lk}]; got values from {b.min()} to {b.max()}")
+    return np.ascontiguousarray(np.broadcast_to(b[..., None], lead), dtype=np.int64).reshape(-1)

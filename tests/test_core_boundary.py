@@ -47,7 +47,8 @@ def _attention_kwargs(q, k, v, out):
         q=q, k=k, v=v, out=out, bh=bh, Lq=Lq, Lk=Lk, E=E, Ev=Ev, group=1,
         qoff=offs(q), q_rs=E, koff=offs(k), k_rs=E, voff=offs(v), v_rs=Ev, ooff=offs(out), o_rs=Ev,
         mask_kind=0, mask=None, moff=None, m_rs=0, m_cs=0, lse=None, lseoff=None, lse_s=1,
-        weights=None, woff=None, w_rs=Lk, scale=1.0, causal=0,
+        weights=None, woff=None, w_rs=Lk, scale=1.0, causal=False, bottom_right=False,
+        softcap=0.0, alibi=None, sinks=None, win_left=1 << 50, win_right=1 << 50, kv_lens=None, kv_type=0,
     )  # fmt: skip
 
 

@@ -39,8 +39,6 @@ struct SoftmaxArgs {
   int nthreads;
 };
 
-enum class Causal : int { none = 0, top_left = 1, bottom_right = 2 };
-
 // Scaled dot-product attention over `bh` independent (batch, head) problems.
 // Problem i reads q + qoff[i] (Lq x E, row stride q_rs, unit feature stride), k + koff[i]
 // (Lk x E), v + voff[i] (Lk x Ev) and writes out + ooff[i] (Lq x Ev, row stride o_rs).
@@ -56,17 +54,38 @@ struct AttnArgs {
   void* lse; const index_t* lseoff; index_t lse_s;      // optional: natural-log LSE per row
   void* weights; const index_t* woff; index_t w_rs;     // optional: zero-filled by the caller
   double scale;
-  Causal causal;
+  bool causal;                  // is_causal: query i sees no key j > i + off
+  bool bottom_right;            // the alignment of causal, window and ALiBi: off = Lk_b - Lq, else 0
+  // Score variants, in the order they apply (docs/api.md): softcap c (0: none); ALiBi slope and
+  // sink logit per problem (natural units, T[bh], null: none); the window's sides (kNoLimit:
+  // unbounded); the keys that exist per problem (index_t[bh], null: all Lk).
+  double softcap;
+  const void* alibi;
+  const void* sinks;
+  index_t win_left, win_right;
+  const index_t* kv_lens;
   int nthreads;
 };
 
 // clang-format on
+
+constexpr index_t kNoLimit = index_t(1) << 50;  // a window side with no bound
+
+// Storage of half-precision keys and values (a float32 computation converts them as it reads).
+struct f16_t {
+  std::uint16_t bits;
+};
+struct bf16_t {
+  std::uint16_t bits;
+};
+enum class KvType : int { same = 0, f16 = 1, bf16 = 2 };
 
 struct IsaTable {
   const char* name;
   void (*gemm[2])(const GemmArgs&);
   void (*softmax[2])(const SoftmaxArgs&);
   void (*attention[2])(const AttnArgs&);
+  void (*attention_half[2])(const AttnArgs&);  // float32 compute with f16 [0] or bf16 [1] K/V
 };
 
 // One table per compiled instruction set (defined in csrc/kernels/<isa>/).

@@ -1,56 +1,85 @@
-// Flash-style fused attention, written once and instantiated per ISA.
+// Flash-style fused attention, written once and instantiated per ISA and per storage of K/V.
 //
 // Prefill (any Lq): one task = one (batch*head, NP query panels of NR queries). A panel works in
 // the transposed orientation S^T = K Q^T so that the micro-kernel broadcasts K rows straight from
-// memory and vectorises across queries: K and V are never packed or copied, only the small
-// Q^T tile is (with scale*log2(e) folded in). Per key block of BK keys:
-//   S^T = K_blk Q^T                         (GEMM micro-kernel, A = K rows, B = Q^T)
+// memory and vectorises across queries: K and V are read in place, only the small Q^T tile is
+// packed (with scale*log2(e) folded in; half-precision K/V blocks are converted into an L1 tile
+// as they are read). Per key block of BK keys:
+//   S^T = mods(K_blk Q^T)                   (GEMM micro-kernel, A = K rows, B = Q^T)
 //   m' = m, or colmax(S^T) where that exceeds m by over kSlack; a = exp2(m - m');
 //   P^T = exp2(S^T - m'); l = a*l + colsum(P^T)
 //   acc^T = a * acc^T + V_blk^T P^T         (GEMM micro-kernel, A = V^T, B = P^T)
 // so every softmax statistic is a vector over the panel's queries. The reference m is a lazy
 // running max: P <= 2^kSlack cannot overflow, the accumulator is rescaled only when a score
 // jumps well past m, and once every query of a panel has a reference, an unmasked block needs
-// no max pass at all: its exp2 is fused into the score kernel's store (a block that turns out
-// to exceed the slack is recomputed the two-pass way). The NP panels of a task share each K and
-// V row read. Scratch per thread is NP * NR * (E + BK + Ev + 8) elements whatever the sequence
-// lengths.
+// no max pass at all: its exp2 (and the score variants, softcap and ALiBi) are fused into the
+// score kernel's store (a block that turns out to exceed the slack is recomputed the two-pass
+// way). The NP panels of a task share each K and V row read. Only the keys a task's queries may
+// see are visited: causal and window edges, and the valid length kv_lens, bound the key range,
+// panels join and leave as it moves, and only the blocks that cross an edge are masked element
+// by element. Scratch per thread is NP * NR * (E + BK + Ev + 7) elements (plus BK * (E + Ev)
+// for half K/V) whatever the sequence lengths.
 //
 // Decode (few queries, long Lk): one task = (group of heads sharing K/V, chunk of keys); all
-// queries of the group are rows that share each K and V row read; chunks are merged exactly
-// through their log-sum-exp, so both cores stream K/V even when batch*heads is 1.
+// queries of the group are rows that share each K and V row read (converted in registers when
+// half); chunks are merged exactly through their log-sum-exp, so both cores stream K/V even when
+// batch*heads is 1. Sinks join each row's statistics once, when it is finished.
 #pragma once
 
-template <class K>
+template <class K, class KV = typename K::T>
 struct Attention {
   using T = typename K::T;
   static constexpr int MR = K::MR, NR = K::NR, BK = K::BK;
   static constexpr T kInf = NumLimits<T>::inf;
+  static constexpr bool kHalf = !std::is_same<KV, T>::value;  // K/V stored as float16 / bfloat16
   // How far (log2 units) a score may exceed its query's reference before the reference moves:
   // P <= 256 keeps l and acc far from overflow, as in FlashAttention-4's conditional rescaling.
   static constexpr T kSlack = T(8);
 
   const AttnArgs& a;
-  const T *query, *key, *value;  // read in place: only the small Q^T panel tile is ever packed
-  T *out, *lse, *weights;        // lse and weights are null unless asked for
-  T s2;                          // scale * log2(e), folded into Q
-  index_t coff;                  // causal: query i may see keys j <= i + coff
+  const T* query;
+  const KV *key, *value;   // read in place: only the small Q^T panel tile is ever packed
+  T *out, *lse, *weights;  // lse and weights are null unless asked for
+  T s2;                    // scale * log2(e), folded into Q
+  ScoreMods<T> mods0;      // softcap in log2 units; nslope is per problem
+  const T *slopes, *sinks;
+  index_t wl, wr;  // window sides (kNoLimit: none); wr is at most 0 with causal
 
   explicit Attention(const AttnArgs& args)
       : a(args),
         query(static_cast<const T*>(args.q)),
-        key(static_cast<const T*>(args.k)),
-        value(static_cast<const T*>(args.v)),
+        key(static_cast<const KV*>(args.k)),
+        value(static_cast<const KV*>(args.v)),
         out(static_cast<T*>(args.out)),
         lse(static_cast<T*>(args.lse)),
         weights(static_cast<T*>(args.weights)),
         s2(T(args.scale * kLog2e)),
-        coff(args.causal == Causal::bottom_right ? args.Lk - args.Lq : 0) {}
+        slopes(static_cast<const T*>(args.alibi)),
+        sinks(static_cast<const T*>(args.sinks)),
+        wl(args.win_left),
+        wr(args.causal ? min_of<index_t>(args.win_right, 0) : args.win_right) {
+    const T cap = T(args.softcap * kLog2e);
+    mods0 = ScoreMods<T>{cap, cap > T(0) ? T(1) / cap : T(0), T(0)};
+  }
 
-  // Keys [0, key_end(i_last)) are visible to queries up to i_last.
-  index_t key_end(index_t i_last) const {
-    if (a.causal == Causal::none) return a.Lk;
-    return max_of<index_t>(0, min_of<index_t>(a.Lk, i_last + coff + 1));
+  // One (batch, head) problem's keys: Lk of them exist (kv_lens), query i is aligned with key
+  // i + off, and sees keys [lo(i), hi(i)) (causal and window; empty when lo >= hi).
+  struct Problem {
+    index_t bh, Lk, off;
+    ScoreMods<T> md;  // with this head's ALiBi slope
+  };
+  Problem problem(index_t bh) const {
+    Problem p;
+    p.bh = bh;
+    p.Lk = a.kv_lens ? a.kv_lens[bh] : a.Lk;
+    p.off = a.bottom_right ? p.Lk - a.Lq : 0;
+    p.md = mods0;
+    if (slopes) p.md.nslope = -slopes[bh] * T(kLog2e);
+    return p;
+  }
+  index_t lo(const Problem& p, index_t i) const { return min_of<index_t>(p.Lk, max_of<index_t>(0, i + p.off - wl)); }
+  index_t hi(const Problem& p, index_t i) const {
+    return max_of<index_t>(0, min_of<index_t>(p.Lk, i + p.off + wr + 1));
   }
 
   // ---------------------------------------------------------------- prefill (query tiles)
@@ -125,61 +154,108 @@ struct Attention {
     for (index_t x = 0; x < a.E * NR; ++x) qt[x] *= s2;
   }
 
-  // s[j*stride] = -inf where key k0+j (j < kb) is hidden from query qi of problem bh (causal
-  // or bool mask); an additive mask is added. Shared by the prefill tiles and the decode rows.
-  PYATTN_PHASE void mask_row(index_t bh, index_t qi, index_t k0, index_t kb, T* s, index_t stride) const {
-    if (a.causal != Causal::none)
-      for (index_t j = max_of<index_t>(0, qi + coff + 1 - k0); j < kb; ++j) s[j * stride] = -kInf;
-    apply_mask_row(a.mask_kind, a.mask, a.mask_kind == MaskKind::none ? 0 : a.moff[bh] + qi * a.m_rs + k0 * a.m_cs,
+  // s[j*stride] = -inf where key k0+j (j < kb) is hidden from query qi of problem p (outside
+  // [lo, hi): causal, window, kv_lens; or a false bool mask); an additive mask is added. Shared
+  // by the prefill tiles and the decode rows.
+  PYATTN_PHASE void mask_row(const Problem& p, index_t qi, index_t k0, index_t kb, T* s, index_t stride) const {
+    const index_t jl = min_of<index_t>(kb, max_of<index_t>(0, lo(p, qi) - k0)),
+                  jh = max_of<index_t>(jl, min_of<index_t>(kb, hi(p, qi) - k0));
+    for (index_t j = 0; j < jl; ++j) s[j * stride] = -kInf;
+    for (index_t j = jh; j < kb; ++j) s[j * stride] = -kInf;
+    apply_mask_row(a.mask_kind, a.mask, a.mask_kind == MaskKind::none ? 0 : a.moff[p.bh] + qi * a.m_rs + k0 * a.m_cs,
                    a.m_cs, kb, s, stride);
   }
 
-  // Whether keys [k0, k0+kb) are all visible to queries from q0 on: no mask, and the block wholly
-  // below the diagonal.
-  bool unmasked(index_t q0, index_t k0, index_t kb) const {
-    return a.mask_kind == MaskKind::none && (a.causal == Causal::none || k0 + kb - 1 <= q0 + coff);
+  // Whether keys [k0, k0+kb) are all visible to queries qa..qz: no mask, and the block inside
+  // the first query's right edge and the last query's left edge.
+  bool unmasked(const Problem& p, index_t qa, index_t qz, index_t k0, index_t kb) const {
+    return a.mask_kind == MaskKind::none && k0 + kb <= hi(p, qa) && k0 >= lo(p, qz);
   }
 
-  // S^T blocks of np query panels = K[k0:k0+kb] Q^T, eight keys at a time across all panels so
-  // those K rows are read from memory once and from L1 for the other panels; then masked.
-  // Panels with fused[p] get P^T = exp2(S^T - sub) straight from the kernel, with colmax(S^T -
-  // sub) in cmax and colsum(P^T) in csum (only for unmasked blocks). With `prime` (an unmasked
-  // block), a fresh panel takes its references from its first eight keys and the fused path
-  // for the rest, fused[p] then set.
-  PYATTN_PHASE void scores(index_t bh, index_t q0, index_t k0, index_t kb, Tile* t, int np, bool* fused,
-                           bool prime) const {
-    const T* kblk = key + a.koff[bh] + k0 * a.k_rs;
-    const T* vblk = value + a.voff[bh] + k0 * a.v_rs;
+  // A key block as the kernels read it: in place for float K/V, else converted into the task's
+  // tiles kc (BK x E) and vc (BK x Ev).
+  struct Block {
+    const T *k, *v;
+    index_t k_rs, v_rs;
+  };
+  struct Convert {
+    T *kc, *vc;
+  };
+  Block key_block(const Problem& p, index_t k0, index_t kb, const Convert& cv) const {
+    const KV* kp = key + a.koff[p.bh] + k0 * a.k_rs;
+    if constexpr (kHalf) {
+      K::convert_rows(kp, a.k_rs, kb, a.E, cv.kc, a.E);
+      return Block{cv.kc, nullptr, a.E, 0};
+    } else {
+      (void)cv;
+      return Block{kp, nullptr, a.k_rs, 0};
+    }
+  }
+  Block value_block(const Problem& p, index_t k0, index_t kb, const Convert& cv) const {
+    const KV* vp = value + a.voff[p.bh] + k0 * a.v_rs;
+    if constexpr (kHalf) {
+      K::convert_rows(vp, a.v_rs, kb, a.Ev, cv.vc, a.Ev);
+      return Block{nullptr, cv.vc, 0, a.Ev};
+    } else {
+      (void)cv;
+      return Block{nullptr, vp, 0, a.v_rs};
+    }
+  }
+
+  // The score variants on rows [j, j+mr) of a panel's raw S^T (queries from qp, keys from k0).
+  template <bool CAP, bool ALIBI>
+  void mod_rows(const Problem& p, index_t qp, index_t k0, index_t j, int mr, Tile& t) const {
+    if constexpr (CAP || ALIBI) {
+      const T base = T(qp + p.off - (k0 + j));
+      for (int r = 0; r < mr; ++r) K::template mod_span<CAP, ALIBI>(t.st + (j + r) * NR, NR, p.md, base - T(r), T(1));
+    }
+  }
+
+  // S^T blocks of np query panels = mods(K[k0:k0+kb] Q^T), eight keys at a time across all
+  // panels so those K rows are read from memory once and from L1 for the other panels; then
+  // masked. Panels with fused[p] get P^T = exp2(S^T - sub) straight from the kernel, with
+  // colmax(S^T - sub) in cmax and colsum(P^T) in csum (only for unmasked blocks). With `prime`
+  // (an unmasked block), a fresh panel takes its references from its first eight keys and the
+  // fused path for the rest, fused[p] then set.
+  template <bool CAP, bool ALIBI>
+  PYATTN_PHASE void scores(const Problem& p, index_t q0, index_t k0, index_t kb, const Block& blk, Tile* t, int np,
+                           bool* fused, bool prime) const {
     index_t first[K::NP] = {};  // rows of S^T already computed, per panel
-    for (int p = 0; p < np; ++p) {
-      if (fused && fused[p])
+    for (int i = 0; i < np; ++i) {
+      if (fused && fused[i])
         for (int c = 0; c < NR; ++c) {
-          t[p].cmax[c] = -kInf;
-          t[p].csum[c] = T(0);
+          t[i].cmax[c] = -kInf;
+          t[i].csum[c] = T(0);
         }
-      if (prime && fused && !fused[p] && t[p].fresh) {
+      if (prime && fused && !fused[i] && t[i].fresh) {
         const int mr = int(min_of<index_t>(MR, kb));
-        K::ukernel(mr, a.E, kblk, a.k_rs, 1, t[p].qt, NR, t[p].st, NR, t[p].nr, false);
-        fused[p] = prime_panel(mr, t[p]);
-        first[p] = MR;
+        K::ukernel(mr, a.E, blk.k, blk.k_rs, 1, t[i].qt, NR, t[i].st, NR, t[i].nr, false);
+        mod_rows<CAP, ALIBI>(p, q0 + i * NR, k0, 0, mr, t[i]);
+        fused[i] = prime_panel(mr, t[i]);
+        first[i] = MR;
       }
     }
+    const KV* vraw = value + a.voff[p.bh] + k0 * a.v_rs;
     for (index_t j = 0; j < kb; j += MR) {
       const int mr = int(min_of<index_t>(MR, kb - j));
-      prefetch_rows_l2(vblk + j * a.v_rs, a.v_rs, mr, a.Ev);  // this block's V, used next
-      for (int p = 0; p < np; ++p) {
-        if (j < first[p]) continue;
-        if (fused && fused[p])
-          K::ukernel_exp2(mr, a.E, kblk + j * a.k_rs, a.k_rs, 1, t[p].qt, NR, t[p].st + j * NR, NR, t[p].nr, t[p].sub,
-                          t[p].cmax, t[p].csum);
-        else
-          K::ukernel(mr, a.E, kblk + j * a.k_rs, a.k_rs, 1, t[p].qt, NR, t[p].st + j * NR, NR, t[p].nr, false);
+      prefetch_rows_l2(vraw + j * a.v_rs, a.v_rs, mr, a.Ev);  // this block's V, used next
+      for (int i = 0; i < np; ++i) {
+        if (j < first[i]) continue;
+        if (fused && fused[i]) {
+          K::template ukernel_exp2<CAP, ALIBI>(mr, a.E, blk.k + j * blk.k_rs, blk.k_rs, 1, t[i].qt, NR,
+                                               t[i].st + j * NR, NR, t[i].nr, t[i].sub, t[i].cmax, t[i].csum, p.md,
+                                               T(q0 + i * NR + p.off - (k0 + j)));
+        } else {
+          K::ukernel(mr, a.E, blk.k + j * blk.k_rs, blk.k_rs, 1, t[i].qt, NR, t[i].st + j * NR, NR, t[i].nr, false);
+          mod_rows<CAP, ALIBI>(p, q0 + i * NR, k0, j, mr, t[i]);
+        }
       }
     }
-    if (unmasked(q0, k0, kb)) return;
-    for (int p = 0; p < np; ++p) {
-      const index_t qp = q0 + p * NR, qc = min_of<index_t>(NR, a.Lq - qp);
-      for (index_t c = 0; c < qc; ++c) mask_row(bh, qp + c, k0, kb, t[p].st + c, NR);
+    const index_t qz = min_of<index_t>(a.Lq, q0 + index_t(np) * NR) - 1;
+    if (unmasked(p, q0, qz, k0, kb)) return;
+    for (int i = 0; i < np; ++i) {
+      const index_t qp = q0 + i * NR, qc = min_of<index_t>(NR, a.Lq - qp);
+      for (index_t c = 0; c < qc; ++c) mask_row(p, qp + c, k0, kb, t[i].st + c, NR);
     }
   }
 
@@ -242,11 +318,13 @@ struct Attention {
 
   // After a fused block: l += csum, unless some score exceeded its reference by over kSlack
   // (P may have overflowed): then the block's scores are recomputed and taken the two-pass way.
-  PYATTN_PHASE void finish_fused(index_t bh, index_t qp, index_t k0, index_t kb, Tile& t) const {
+  template <bool CAP, bool ALIBI>
+  PYATTN_PHASE void finish_fused(const Problem& p, index_t qp, index_t k0, index_t kb, const Block& blk,
+                                 Tile& t) const {
     bool over = false;
     for (int c = 0; c < NR; ++c) over |= t.cmax[c] > kSlack;
     if (over) {
-      scores(bh, qp, k0, kb, &t, 1, nullptr, false);
+      scores<CAP, ALIBI>(p, qp, k0, kb, blk, &t, 1, nullptr, false);
       online_softmax(kb, t);
       return;
     }
@@ -255,124 +333,155 @@ struct Attention {
   }
 
   // acc^T += V_blk^T P^T for every panel, eight value columns at a time across the panels.
-  PYATTN_PHASE void accumulate(index_t bh, index_t k0, index_t kb, Tile* t, int np, index_t kend) const {
-    const T* vblk = value + a.voff[bh] + k0 * a.v_rs;
+  PYATTN_PHASE void accumulate(const Problem& p, index_t k0, index_t kb, const Block& blk, Tile* t, int np,
+                               index_t kend) const {
     // The next block's K rows, spread over the value-column steps.
     const index_t nnext = min_of<index_t>(BK, kend - k0 - kb),
                   per = ceil_div(nnext, max_of<index_t>(1, ceil_div(a.Ev, MR)));
-    const T* knext = key + a.koff[bh] + (k0 + kb) * a.k_rs;
+    const KV* knext = key + a.koff[p.bh] + (k0 + kb) * a.k_rs;
     for (index_t d = 0, r = 0; d < a.Ev; d += MR, r += per) {
       const int mr = int(min_of<index_t>(MR, a.Ev - d));
       if (r < nnext) prefetch_rows_l2(knext + r * a.k_rs, a.k_rs, min_of<index_t>(per, nnext - r), a.E);
-      for (int p = 0; p < np; ++p)
-        K::ukernel(mr, kb, vblk + d, 1, a.v_rs, t[p].st, NR, t[p].acc + d * NR, NR, t[p].nr, true);
+      for (int i = 0; i < np; ++i)
+        K::ukernel(mr, kb, blk.v + d, 1, blk.v_rs, t[i].st, NR, t[i].acc + d * NR, NR, t[i].nr, true);
     }
   }
 
-  // Queries [q0, q0 + np*NR) of problem bh: np panels of NR queries share each K/V block.
-  void query_group(index_t bh, index_t q0, int np, Tile* t) const {
+  // First query of panel i and last query of panel i of a group starting at q0.
+  index_t first_q(index_t q0, int i) const { return q0 + index_t(i) * NR; }
+  index_t last_q(index_t q0, int i) const { return min_of<index_t>(a.Lq, q0 + index_t(i + 1) * NR) - 1; }
+
+  // Queries [q0, q0 + np*NR) of problem p: np panels of NR queries share each K/V block. The
+  // keys [kbeg, kend) that any of them sees are visited in blocks; the panels that see part of
+  // a block, [p0, p1), take it: a panel leaves once past its last key (causal, window right) and
+  // joins at its first (window left). A block is cut where the first active panel's keys end,
+  // so that it computes no row of keys it cannot see.
+  template <bool CAP, bool ALIBI>
+  void query_group(const Problem& p, index_t q0, int np, Tile* t, const Convert& cv) const {
     np = int(min_of<index_t>(np, ceil_div(a.Lq - q0, NR)));
-    const index_t kend = key_end(min_of<index_t>(a.Lq, q0 + np * NR) - 1);
+    const index_t kbeg = lo(p, q0), kend = hi(p, last_q(q0, np - 1));
     // The task's Q rows and first K block are asked for together before the Q^T packing starts
     // on them: on short sequences these first touches were a sixth of the time.
     const index_t nq = min_of<index_t>(a.Lq - q0, index_t(np) * NR);
-    prefetch_rows_l2(query + a.qoff[bh] + q0 * a.q_rs, a.q_rs, nq, a.E);
-    prefetch_rows_l2(key + a.koff[bh], a.k_rs, min_of<index_t>(BK, kend), a.E);
-    for (int p = 0; p < np; ++p) {
-      const index_t qp = q0 + p * NR, qc = min_of<index_t>(NR, a.Lq - qp);
-      pack_qt(query + a.qoff[bh] + qp * a.q_rs, qc, t[p].qt);
+    prefetch_rows_l2(query + a.qoff[p.bh] + q0 * a.q_rs, a.q_rs, nq, a.E);
+    if (kend > kbeg)
+      prefetch_rows_l2(key + a.koff[p.bh] + kbeg * a.k_rs, a.k_rs, min_of<index_t>(BK, kend - kbeg), a.E);
+    for (int i = 0; i < np; ++i) {
+      const index_t qp = first_q(q0, i), qc = min_of<index_t>(NR, a.Lq - qp);
+      pack_qt(query + a.qoff[p.bh] + qp * a.q_rs, qc, t[i].qt);
       // A short panel: the kernels skip its unused vectors, so give those columns of st a
       // finite filler once (the column statistics run over all NR columns).
-      t[p].nr = int(qc);
+      t[i].nr = int(qc);
       if (qc < NR)
         for (index_t j = 0; j < BK; ++j)
-          for (index_t c = qc; c < NR; ++c) t[p].st[j * NR + c] = T(0);
-      reset_panel(t[p]);
+          for (index_t c = qc; c < NR; ++c) t[i].st[j * NR + c] = T(0);
+      reset_panel(t[i]);
     }
-    // Causal: panels before p0 see no key from k0 on and are left out; a block is cut where the
-    // first active panel's keys end, so that it computes no row of keys it cannot see.
     int p0 = 0;
-    for (index_t k0 = 0, kb = 0; k0 < kend; k0 += kb) {
-      while (p0 < np - 1 && key_end(q0 + (p0 + 1) * NR - 1) <= k0) ++p0;
+    for (index_t k0 = kbeg, kb = 0; k0 < kend; k0 += kb) {
+      while (p0 < np - 1 && hi(p, last_q(q0, p0)) <= k0) ++p0;
       kb = min_of<index_t>(BK, kend - k0);
-      if (p0 < np - 1) kb = min_of<index_t>(kb, max_of<index_t>(MR, key_end(q0 + (p0 + 1) * NR - 1) - k0));
-      const index_t qa = q0 + p0 * NR;
+      if (p0 < np - 1) kb = min_of<index_t>(kb, max_of<index_t>(MR, hi(p, last_q(q0, p0)) - k0));
+      int p1 = p0 + 1;
+      while (p1 < np && lo(p, first_q(q0, p1)) < k0 + kb) ++p1;
+      const index_t qa = first_q(q0, p0);
       Tile* ta = t + p0;
-      const int na = np - p0;
-      const bool plain = unmasked(qa, k0, kb);
+      const int na = p1 - p0;
+      const bool plain = unmasked(p, qa, last_q(q0, p1 - 1), k0, kb);
+      const Block kblk = key_block(p, k0, kb, cv);
       bool fused[K::NP];
-      for (int p = 0; p < na; ++p) fused[p] = plain && ta[p].ready;
-      scores(bh, qa, k0, kb, ta, na, fused, plain);
-      for (int p = 0; p < na; ++p) {
-        if (fused[p])
-          finish_fused(bh, qa + p * NR, k0, kb, ta[p]);
+      for (int i = 0; i < na; ++i) fused[i] = plain && ta[i].ready;
+      scores<CAP, ALIBI>(p, qa, k0, kb, kblk, ta, na, fused, plain);
+      for (int i = 0; i < na; ++i) {
+        if (fused[i])
+          finish_fused<CAP, ALIBI>(p, qa + i * NR, k0, kb, kblk, ta[i]);
         else
-          online_softmax(kb, ta[p]);
-        ta[p].fresh = false;
+          online_softmax(kb, ta[i]);
+        ta[i].fresh = false;
       }
-      accumulate(bh, k0, kb, ta, na, kend);
+      accumulate(p, k0, kb, value_block(p, k0, kb, cv), ta, na, kend);
     }
-    for (int p = 0; p < np; ++p) finish_panel(bh, q0 + p * NR, kend, t[p]);
-  }
-
-  // out = acc / l (zeros where no key was visible), lse = ln(2) * (m + log2(l)); weights if asked.
-  PYATTN_PHASE void finish_panel(index_t bh, index_t q0, index_t kend, Tile& t) const {
-    const index_t qc = min_of<index_t>(NR, a.Lq - q0);
-    T* o = out + a.ooff[bh] + q0 * a.o_rs;
-    for (int c = 0; c < NR; ++c) t.inv[c] = inv_of(t.l[c]);
-    scale_acc(t, t.inv);
-    K::transpose(t.acc, NR, a.Ev, qc, o, a.o_rs);
-    if (lse)
-      for (index_t c = 0; c < qc; ++c) lse[a.lseoff[bh] + (q0 + c) * a.lse_s] = lse_of(t.m[c], t.l[c]);
-    if (weights) weights_panel(bh, q0, qc, kend, t);
+    for (int i = 0; i < np; ++i) finish_panel<CAP, ALIBI>(p, first_q(q0, i), t[i], cv);
   }
 
   // 1 / l; 0 where no key was visible (l = 0); NaN where l is NaN (a NaN or inf score), so that
   // the weights are NaN wherever the output is, as in the reference.
   static T inv_of(T l) { return l > T(0) ? T(1) / l : l == T(0) ? T(0) : l; }
 
-  static T lse_of(T m, T l) {
-    if (!(l > T(0))) return l == T(0) ? -kInf : l;  // no visible key, or NaN
-    return T(kLn2) * (m + std::log2(l));
+  // A row's statistics once its keys are all in: the sink (if any) joins the sum, as one more
+  // logit with no value. l is relative to sub; returns the total, still relative to sub.
+  T with_sink(const Problem& p, T sub, T l) const {
+    if (!sinks) return l;
+    return l + T(std::exp2(sinks[p.bh] * T(kLog2e) - sub));
   }
 
-  // Second sweep for return_weights: W[q, j] = exp2(S^T[j, q] - m_q) / l_q, written exactly once.
-  PYATTN_PHASE void weights_panel(index_t bh, index_t q0, index_t qc, index_t kend, Tile& t) const {
-    const T* inv = t.inv;
-    T* w = weights + a.woff[bh] + q0 * a.w_rs;
-    for (index_t k0 = 0; k0 < kend; k0 += BK) {
+  // The natural-log LSE of a row: ln 2 * (sub + log2(l)), with the sink's logit included; -inf
+  // for a row that saw no key and has no sink, the sink for one that has.
+  T lse_of(const Problem& p, T sub, T l) const {
+    if (l != l) return l;  // NaN
+    if (!sinks) return l > T(0) ? T(kLn2) * (sub + std::log2(l)) : -kInf;
+    const T s = sinks[p.bh] * T(kLog2e);
+    if (!(l > T(0))) return T(kLn2) * s;
+    const T M = sub > s ? sub : s;  // both exponents below are <= 0
+    return T(kLn2) * (M + std::log2(l * T(std::exp2(sub - M)) + T(std::exp2(s - M))));
+  }
+
+  // out = acc / l (zeros where no key was visible), lse; the weights if asked.
+  template <bool CAP, bool ALIBI>
+  PYATTN_PHASE void finish_panel(const Problem& p, index_t q0, Tile& t, const Convert& cv) const {
+    const index_t qc = min_of<index_t>(NR, a.Lq - q0);
+    T* o = out + a.ooff[p.bh] + q0 * a.o_rs;
+    for (int c = 0; c < NR; ++c) t.inv[c] = inv_of(with_sink(p, t.sub[c], t.l[c]));
+    scale_acc(t, t.inv);
+    K::transpose(t.acc, NR, a.Ev, qc, o, a.o_rs);
+    if (lse)
+      for (index_t c = 0; c < qc; ++c) lse[a.lseoff[p.bh] + (q0 + c) * a.lse_s] = lse_of(p, t.sub[c], t.l[c]);
+    if (weights) weights_panel<CAP, ALIBI>(p, q0, qc, t, cv);
+  }
+
+  // Second sweep for return_weights: W[q, j] = exp2(S^T[j, q] - sub_q) * inv_q over the panel's
+  // keys, written exactly once (the rest stays the caller's zeros).
+  template <bool CAP, bool ALIBI>
+  PYATTN_PHASE void weights_panel(const Problem& p, index_t q0, index_t qc, Tile& t, const Convert& cv) const {
+    T* w = weights + a.woff[p.bh] + q0 * a.w_rs;
+    const index_t kbeg = lo(p, q0), kend = hi(p, q0 + qc - 1);
+    for (index_t k0 = kbeg; k0 < kend; k0 += BK) {
       const index_t kb = min_of<index_t>(BK, kend - k0);
-      scores(bh, q0, k0, kb, &t, 1, nullptr, false);
+      scores<CAP, ALIBI>(p, q0, k0, kb, key_block(p, k0, kb, cv), &t, 1, nullptr, false);
       for (index_t j = 0; j < kb; ++j)
         K::exp2_sub_cols(t.st + j * NR, t.sub, t.csum, NR);  // l is final: csum not needed
       for (index_t c = 0; c < qc; ++c) {
         T* wr = w + c * a.w_rs + k0;
-        for (index_t j = 0; j < kb; ++j) wr[j] = t.st[j * NR + c] * inv[c];
+        for (index_t j = 0; j < kb; ++j) wr[j] = t.st[j * NR + c] * t.inv[c];
       }
     }
   }
 
+  template <bool CAP, bool ALIBI>
   void prefill() const {
     constexpr int NP = K::NP;
     const index_t ngroups = ceil_div(a.Lq, index_t(NP) * NR);
     const index_t ntasks = a.bh * ngroups;
-    const std::size_t panel = tile_elems(a.E, a.Ev);
+    const std::size_t panel = tile_elems(a.E, a.Ev), conv = kHalf ? std::size_t(BK) * std::size_t(a.E + a.Ev) : 0;
     const double work = double(a.bh) * double(a.Lq) * double(a.Lk) * double(a.E + a.Ev);
     const int nt = int(min_of<index_t>(threads_for(work, a.nthreads), ntasks));
     struct Panels {
       Tile t[NP];
+      Convert cv;
     };
     auto setup = [&] {
       Panels ps;
-      T* base = static_cast<T*>(scratch(0, NP * panel * sizeof(T)));
-      for (int p = 0; p < NP; ++p) ps.t[p] = carve(base + p * panel);
+      T* base = static_cast<T*>(scratch(0, (NP * panel + conv) * sizeof(T)));
+      for (int i = 0; i < NP; ++i) ps.t[i] = carve(base + i * panel);
+      ps.cv.kc = base + NP * panel;
+      ps.cv.vc = ps.cv.kc + BK * a.E;
       return ps;
     };
     team(nt, setup, [&](Panels& ps, const Team& tm) {
       // Causal groups near the end of the sequence do the most work: hand them out first.
       tm.for_each(ntasks, true, [&](index_t i) {
         const index_t g = ngroups - 1 - i / a.bh;
-        query_group(i % a.bh, g * NP * NR, NP, ps.t);
+        query_group<CAP, ALIBI>(problem(i % a.bh), g * NP * NR, NP, ps.t, ps.cv);
       });
     });
   }
@@ -394,6 +503,18 @@ struct Attention {
     return std::size_t(R) * std::size_t(E + DB + Ev + 2) * sizeof(T);
   }
 
+  // The score variants on row x's block of kb scores (query qi of problem p, keys from k0).
+  void mod_keys(const Problem& p, index_t qi, index_t k0, index_t kb, T* s) const {
+    const T base = T(qi + p.off - k0);
+    const bool cap = mods0.cap > T(0), alibi = slopes != nullptr;
+    if (cap && alibi)
+      K::template mod_span<true, true>(s, kb, p.md, base, T(-1));
+    else if (cap)
+      K::template mod_span<true, false>(s, kb, p.md, base, T(-1));
+    else if (alibi)
+      K::template mod_span<false, true>(s, kb, p.md, base, T(-1));
+  }
+
   // Runs keys [j0, j1) of head group g; leaves unnormalised acc, running max m (log2 units)
   // and sum l per row.
   PYATTN_PHASE void decode_chunk(index_t g, index_t j0, index_t j1, Rows& r) const {
@@ -407,15 +528,15 @@ struct Attention {
       r.l[x] = T(0);
       for (index_t d = 0; d < Ev; ++d) r.acc[x * Ev + d] = T(0);
     }
-    const T* kbase = key + a.koff[h0];
-    const T* vbase = value + a.voff[h0];
+    const KV* kbase = key + a.koff[h0];
+    const KV* vbase = value + a.voff[h0];
     for (index_t k0 = j0; k0 < j1; k0 += DB) {
       const index_t kb = min_of<index_t>(DB, j1 - k0);
       // s[x, j] = q_x . k_j, key rows read in order (see kernels/x86_simd.h). Prefetched, one
       // row per key: this block's V (for pv_rows below), and K and V PFD blocks ahead, so that
       // neither stream starts cold at a block boundary.
       for (index_t j = 0; j < kb; ++j) {
-        const T* kr = kbase + (k0 + j) * a.k_rs;
+        const KV* kr = kbase + (k0 + j) * a.k_rs;
         prefetch_rows_l2(vbase + (k0 + j) * a.v_rs, a.v_rs, 1, Ev);
         if (k0 + PFD * DB + j < j1) {
           prefetch_rows_l2(kr + PFD * DB * a.k_rs, a.k_rs, 1, E);
@@ -424,9 +545,11 @@ struct Attention {
         K::dot_rows(r.q, E, r.R, kr, E, r.s + j, DB);
       }
       for (index_t x = 0; x < r.R; ++x) {
-        const index_t h = h0 + x / Lq, qi = x % Lq;
+        const Problem p = problem(h0 + x / Lq);
+        const index_t qi = x % Lq;
         T* s = r.s + x * DB;
-        mask_row(h, qi, k0, kb, s, 1);
+        mod_keys(p, qi, k0, kb, s);
+        mask_row(p, qi, k0, kb, s, 1);
         T mx = r.m[x];
         for (index_t j = 0; j < kb; ++j) mx = s[j] > mx ? s[j] : mx;
         const T sub = mx == -kInf ? T(0) : mx;
@@ -446,41 +569,49 @@ struct Attention {
 
   void finish_row(index_t g, index_t x, const T* acc, T m, T l) const {
     const index_t h = g * a.group + x / a.Lq, qi = x % a.Lq;
+    const Problem p = problem(h);
+    const T sub = m == -kInf ? T(0) : m;
     T* orow = out + a.ooff[h] + qi * a.o_rs;
-    const T inv = inv_of(l);
+    const T inv = inv_of(with_sink(p, sub, l));
     for (index_t d = 0; d < a.Ev; ++d) orow[d] = acc[d] * inv;
-    if (lse) lse[a.lseoff[h] + qi * a.lse_s] = lse_of(m, l);
+    if (lse) lse[a.lseoff[h] + qi * a.lse_s] = lse_of(p, sub, l);
   }
 
   void decode() const {
     const index_t ng = a.bh / a.group, R = a.group * a.Lq, Ev = a.Ev;
-    // Key chunks: enough tasks to feed 8 threads, never under 256 keys. The split does not
-    // depend on the thread count, so results are identical for any number of threads.
+    // Keys [kbeg, kend) of each group: all that its queries may see. They are cut into the same
+    // number of chunks for every group: enough tasks to feed 8 threads, never under 256 keys.
+    // The split does not depend on the thread count, so results are identical for any number.
+    index_t span = 0;
+    for (index_t g = 0; g < ng; ++g) {
+      const Problem p = problem(g * a.group);
+      span = max_of<index_t>(span, hi(p, a.Lq - 1) - lo(p, 0));
+    }
     index_t nchunk = 1;
-    if (ng < 8) nchunk = max_of<index_t>(1, min_of<index_t>(ceil_div(8, ng), a.Lk / 256));
-    const index_t chunk = round_up(ceil_div(a.Lk, nchunk), DB);
-    nchunk = max_of<index_t>(1, ceil_div(a.Lk, chunk));
+    if (ng < 8) nchunk = max_of<index_t>(1, min_of<index_t>(ceil_div(8, ng), span / 256));
     const index_t ntasks = ng * nchunk;
     const std::size_t part = std::size_t(R) * std::size_t(Ev + 2);  // acc, m, l per task
     T* parts = nchunk > 1 ? static_cast<T*>(scratch(2, ntasks * part * sizeof(T))) : nullptr;
     const std::size_t bytes = decode_scratch(R, a.E, Ev);
-    const double work = double(a.bh) * double(a.Lq) * double(a.Lk) * double(a.E + a.Ev);
+    const double work = double(a.bh) * double(a.Lq) * double(span) * double(a.E + a.Ev);
     const int nt = int(min_of<index_t>(threads_for(work, a.nthreads), ntasks));
 
     auto task = [&](index_t t, Rows& r) {
       const index_t g = t / nchunk, c = t % nchunk;
-      const index_t j0 = c * chunk, j1 = min_of<index_t>(a.Lk, j0 + chunk);
-      const index_t jend = min_of<index_t>(j1, key_end(a.Lq - 1));
-      decode_chunk(g, j0, max_of<index_t>(j0, jend), r);
+      const Problem p = problem(g * a.group);
+      const index_t kbeg = lo(p, 0), kend = max_of<index_t>(kbeg, hi(p, a.Lq - 1));
+      const index_t chunk = round_up(ceil_div(kend - kbeg, nchunk), DB);
+      const index_t j0 = min_of<index_t>(kend, kbeg + c * chunk), j1 = min_of<index_t>(kend, j0 + chunk);
+      decode_chunk(g, j0, j1, r);
       if (!parts) {
         for (index_t x = 0; x < R; ++x) finish_row(g, x, r.acc + x * Ev, r.m[x], r.l[x]);
         return;
       }
-      T* p = parts + t * part;
-      for (index_t x = 0; x < R * Ev; ++x) p[x] = r.acc[x];
+      T* pt = parts + t * part;
+      for (index_t x = 0; x < R * Ev; ++x) pt[x] = r.acc[x];
       for (index_t x = 0; x < R; ++x) {
-        p[R * Ev + x] = r.m[x];
-        p[R * Ev + R + x] = r.l[x];
+        pt[R * Ev + x] = r.m[x];
+        pt[R * Ev + R + x] = r.l[x];
       }
     };
     auto carve_rows = [&](T* base) {
@@ -505,11 +636,11 @@ struct Attention {
         T l = T(0);
         for (index_t d = 0; d < Ev; ++d) acc[d] = T(0);
         for (index_t c = 0; c < nchunk; ++c) {
-          const T* p = parts + (g * nchunk + c) * part;
-          const T mc = p[R * Ev + x];
+          const T* pt = parts + (g * nchunk + c) * part;
+          const T mc = pt[R * Ev + x];
           const T w = mc == -kInf ? T(0) : T(std::exp2(mc - sub));
-          l += w * p[R * Ev + R + x];
-          for (index_t d = 0; d < Ev; ++d) acc[d] += w * p[x * Ev + d];
+          l += w * pt[R * Ev + R + x];
+          for (index_t d = 0; d < Ev; ++d) acc[d] += w * pt[x * Ev + d];
         }
         finish_row(g, x, acc, M, l);
       }
@@ -530,9 +661,11 @@ struct Attention {
   static void run(const AttnArgs& args) {
     if (args.bh == 0 || args.Lq == 0) return;
     Attention self(args);
-    if (use_decode(args))
-      self.decode();
-    else
-      self.prefill();
+    if (use_decode(args)) return self.decode();
+    const bool cap = args.softcap > 0, alibi = args.alibi != nullptr;
+    if (cap && alibi) return self.template prefill<true, true>();
+    if (cap) return self.template prefill<true, false>();
+    if (alibi) return self.template prefill<false, true>();
+    self.template prefill<false, false>();
   }
 };

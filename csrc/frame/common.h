@@ -107,6 +107,44 @@ inline void team(int nt, Setup&& setup, Work&& work) {
 // A setup for team() that needs no per-thread state.
 inline int no_state() { return 0; }
 
+// The score variants of attention as the kernels apply them, in log2 units (scale * log2(e)
+// is folded into the queries): s = cap * tanh(s * inv_cap) when softcapped, then s += nslope *
+// |i + off - j| for ALiBi (nslope = -slope * log2(e)).
+template <class T>
+struct ScoreMods {
+  T cap, inv_cap, nslope;
+};
+
+// float16 and bfloat16 to float, one value (the vector kernels convert whole rows in registers).
+inline float to_float(bf16_t h) {
+  const std::uint32_t u = std::uint32_t(h.bits) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+inline float to_float(f16_t h) {
+  const std::uint32_t sign = std::uint32_t(h.bits & 0x8000u) << 16, ex = (h.bits >> 10) & 0x1fu, man = h.bits & 0x3ffu;
+  std::uint32_t u;
+  if (ex == 0x1f) {
+    u = sign | 0x7f800000u | (man << 13);  // inf, NaN
+  } else if (ex != 0) {
+    u = sign | ((ex + 112) << 23) | (man << 13);  // normal: rebias 15 -> 127
+  } else if (man == 0) {
+    u = sign;  // +-0
+  } else {     // subnormal: man * 2^-24, exact in float
+    float f = float(man) * 5.9604644775390625e-8f;
+    __builtin_memcpy(&u, &f, 4);
+    u |= sign;
+  }
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+template <class T>
+inline T to_float(T x) {
+  return x;
+}
+
 constexpr double kLog2e = 1.4426950408889634074;
 constexpr double kLn2 = 0.69314718055994530942;
 

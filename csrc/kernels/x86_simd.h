@@ -2,11 +2,66 @@
 // and AVX-512 translation units (inside each one's namespace, compiled with its own flags).
 //
 // Ops provides: T, V (vector), Mask, L (lanes); mask(n) for lanes [0, n); load, maskload,
-// store, maskstore, set1, zero, add, sub, max, fma, maskz (zero the lanes outside a mask),
-// reduce_add and exp2. Every intrinsic lives in the Ops structs of kernels_<isa>.cpp; nothing
-// here names one, so a float and a double kernel, or an AVX2 and an AVX-512 one, are the same
-// schedule on different vectors.
+// store, maskstore, set1, zero, add, sub, mul, div, max, fma, abs, copysign, select_lt (a < b ?
+// x : y), maskz (zero the lanes outside a mask), reduce_add and exp2; the float Ops also load
+// half-precision rows (load_f16 / load_bf16 and their _n forms for the first n lanes). Every intrinsic lives in the Ops
+// structs of kernels_<isa>.cpp; nothing here names one, so a float and a double kernel, or an AVX2 and an AVX-512 one,
+// are the same schedule on different vectors.
 #pragma once
+
+// ------------------------------------------------------------------ elementwise functions
+
+// tanh(x), a few ulp: x + x^3 P(x^2) / Q(x^2) below |x| = 0.625 (Cephes' tanh/tanhf), else
+// 1 - 2 / (exp(2|x|) + 1) with the sign of x (no cancellation there: the result is above 0.55).
+// NaN stays NaN; large |x| gives +-1.
+template <class Ops>
+static inline typename Ops::V tanh_v(typename Ops::V x) {
+  using T = typename Ops::T;
+  using V = typename Ops::V;
+  const V ax = Ops::abs(x), z = Ops::mul(x, x);
+  V small;
+  if constexpr (sizeof(T) == 4) {
+    V p = Ops::set1(-5.70498872745e-3f);
+    p = Ops::fma(p, z, Ops::set1(2.06390887954e-2f));
+    p = Ops::fma(p, z, Ops::set1(-5.37397155531e-2f));
+    p = Ops::fma(p, z, Ops::set1(1.33314422036e-1f));
+    p = Ops::fma(p, z, Ops::set1(-3.33332819422e-1f));
+    small = Ops::fma(Ops::mul(p, z), x, x);
+  } else {
+    V p = Ops::set1(-9.64399179425052238628e-1);
+    p = Ops::fma(p, z, Ops::set1(-9.92877231001918586564e1));
+    p = Ops::fma(p, z, Ops::set1(-1.61468768441708447952e3));
+    V q = Ops::add(z, Ops::set1(1.12811678491632931402e2));
+    q = Ops::fma(q, z, Ops::set1(2.23548839060100448583e3));
+    q = Ops::fma(q, z, Ops::set1(4.84406305325125486048e3));
+    small = Ops::fma(Ops::div(Ops::mul(p, z), q), x, x);
+  }
+  const V e = Ops::exp2(Ops::mul(ax, Ops::set1(T(2 * kLog2e))));
+  const V one = Ops::set1(T(1));
+  const V large = Ops::copysign(Ops::sub(one, Ops::div(Ops::set1(T(2)), Ops::add(e, one))), x);
+  return Ops::select_lt(ax, Ops::set1(T(0.625)), small, large);
+}
+
+// A row of keys or values as the computation's vectors: T itself, or float16 / bfloat16
+// converted in registers as it is read (the _n forms read only the first n lanes).
+template <class Ops, class S>
+static inline typename Ops::V load_as(const S* p) {
+  if constexpr (std::is_same<S, f16_t>::value)
+    return Ops::load_f16(p);
+  else if constexpr (std::is_same<S, bf16_t>::value)
+    return Ops::load_bf16(p);
+  else
+    return Ops::load(p);
+}
+template <class Ops, class S>
+static inline typename Ops::V load_as_n(typename Ops::Mask m, int n, const S* p) {
+  if constexpr (std::is_same<S, f16_t>::value)
+    return Ops::load_f16_n(m, n, p);
+  else if constexpr (std::is_same<S, bf16_t>::value)
+    return Ops::load_bf16_n(m, n, p);
+  else
+    return Ops::maskload(m, p);
+}
 
 // ------------------------------------------------------------------ GEMM register tile
 // acc[M][NV] = A[M x k] B[k x NV*L]: M rows of A are broadcast (A read through rsa, csa), NV
@@ -125,32 +180,55 @@ static inline void gemm_ukernel(int mr, index_t k, const typename Ops::T* a, ind
   });
 }
 
+// Lane indices 0 .. 15, for the ALiBi distances of a vector of columns.
+template <class T>
+alignas(64) static constexpr T kIota[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+// The score variants on an accumulator vector of row r (a key) whose lane l is column c = v*L + l
+// (a query): s = cap * tanh(s / cap) (CAP), then s += nslope * |base + c - r| (ALIBI), with
+// dcol[v] holding base + v*L + lane.
+template <class Ops, bool CAP, bool ALIBI>
+static inline __attribute__((always_inline)) typename Ops::V apply_mods(typename Ops::V s,
+                                                                        const ScoreMods<typename Ops::T>& md,
+                                                                        typename Ops::V dcol, int r) {
+  using T = typename Ops::T;
+  if constexpr (CAP) s = Ops::mul(Ops::set1(md.cap), tanh_v<Ops>(Ops::mul(s, Ops::set1(md.inv_cap))));
+  if constexpr (ALIBI) s = Ops::fma(Ops::set1(md.nslope), Ops::abs(Ops::sub(dcol, Ops::set1(T(r)))), s);
+  return s;
+}
+
 // The attention scores with the softmax numerator fused into the store, on the ceil(nr / L)
 // vectors that hold the first nr columns (whole vectors are stored):
-//   x = A B - sub (per column); xmax = max(xmax, colmax(x)); C = exp2(x); csum += colsum(C)
-// so the score tile goes from registers to memory once, already exponentiated.
-template <class Ops, int NVMAX, int MR>
+//   x = mods(A B) - sub (per column); xmax = max(xmax, colmax(x)); C = exp2(x); csum += colsum(C)
+// so the score tile goes from registers to memory once, already exponentiated. mods are the score
+// variants (apply_mods), base the ALiBi distance of row 0, column 0.
+template <class Ops, int NVMAX, int MR, bool CAP, bool ALIBI>
 static inline void gemm_ukernel_exp2(int mr, index_t k, const typename Ops::T* a, index_t rsa, index_t csa,
                                      const typename Ops::T* b, index_t ldb, typename Ops::T* c, index_t ldc, int nr,
-                                     const typename Ops::T* sub, typename Ops::T* xmax, typename Ops::T* csum) {
+                                     const typename Ops::T* sub, typename Ops::T* xmax, typename Ops::T* csum,
+                                     const ScoreMods<typename Ops::T>& md, typename Ops::T base) {
   using T = typename Ops::T;
   using V = typename Ops::V;
   constexpr int L = Ops::L;
   run_tile<Ops, NVMAX, MR>(mr, nr, k, a, rsa, csa, b, ldb, [&](auto& acc) {
     constexpr int M = tile_rows<decltype(acc)>, NV = tile_vectors<decltype(acc)>;
-    V sv[NV], mx[NV], sm[NV];
+    V sv[NV], mx[NV], sm[NV], dcol[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
       sv[v] = Ops::load(sub + v * L);
       mx[v] = Ops::load(xmax + v * L);
       sm[v] = Ops::load(csum + v * L);
+      if constexpr (ALIBI)
+        dcol[v] = Ops::add(Ops::load(kIota<T>), Ops::set1(base + T(v * L)));
+      else
+        dcol[v] = Ops::zero();
     }
 #pragma GCC unroll 8
     for (int r = 0; r < M; ++r) {
       T* cr = c + r * ldc;
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) {
-        const V x = Ops::sub(acc[r][v], sv[v]);
+        const V x = Ops::sub(apply_mods<Ops, CAP, ALIBI>(acc[r][v], md, dcol[v], r), sv[v]);
         mx[v] = Ops::max(mx[v], x);
         const V e = Ops::exp2(x);
         sm[v] = Ops::add(sm[v], e);
@@ -216,14 +294,46 @@ struct VecKernels {
     return T(total);
   }
 
+  //   s[i] = mods(s[i]) for i < n, the ALiBi distance of element i being base + step*i: a row of
+  //   a score tile (columns: queries, step 1) or of a decode block (keys, step -1).
+  template <bool CAP, bool ALIBI>
+  static void mod_span(T* s, index_t n, const ScoreMods<T>& md, T base, T step) {
+    const V iota = Ops::load(kIota<T>);
+    V d = Ops::fma(iota, Ops::set1(step), Ops::set1(base));
+    const V dstep = Ops::set1(step * T(L));
+    index_t i = 0;
+    for (; i + L <= n; i += L, d = Ops::add(d, dstep))
+      Ops::store(s + i, apply_mods<Ops, CAP, ALIBI>(Ops::load(s + i), md, d, 0));
+    if (i < n) {
+      const typename Ops::Mask m = Ops::mask(int(n - i));
+      Ops::maskstore(m, s + i, apply_mods<Ops, CAP, ALIBI>(Ops::maskload(m, s + i), md, d, 0));
+    }
+  }
+
+  //   dst[r*drs + c] = src[r*srs + c] for r < rows, c < cols, converted to T
+  template <class S>
+  static void convert_rows(const S* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
+    for (index_t r = 0; r < rows; ++r) {
+      const S* sr = src + r * srs;
+      T* dr = dst + r * drs;
+      index_t c = 0;
+      for (; c + L <= cols; c += L) Ops::store(dr + c, load_as<Ops>(sr + c));
+      if (c < cols) {
+        const int n = int(cols - c);
+        const typename Ops::Mask m = Ops::mask(n);
+        Ops::maskstore(m, dr + c, load_as_n<Ops>(m, n, sr + c));
+      }
+    }
+  }
+
   // Decode helpers. Both read every K and V row front to back, one row after the other: that
   // order streams at memory speed, where reading several rows side by side (column-wise within
   // a block) confuses the prefetchers and runs at a third of it.
 
   //   s[r*ss] = q_r . k for RB rows q_r (qs apart): each vector of the K row is loaded once for
   //   all of them; one row keeps two accumulators to halve its FMA chain.
-  template <int RB>
-  static void dot_block(const T* q, index_t qs, const T* k, index_t n, T* s, index_t ss) {
+  template <int RB, class S>
+  static void dot_block(const T* q, index_t qs, const S* k, index_t n, T* s, index_t ss) {
     constexpr int NA = RB == 1 ? 2 : 1;
     V acc[RB][NA];
 #pragma GCC unroll 4
@@ -234,14 +344,14 @@ struct VecKernels {
     for (; e + NA * L <= n; e += NA * L) {
 #pragma GCC unroll 2
       for (int i = 0; i < NA; ++i) {
-        const V kv = Ops::load(k + e + i * L);
+        const V kv = load_as<Ops>(k + e + i * L);
 #pragma GCC unroll 4
         for (int r = 0; r < RB; ++r) acc[r][i] = Ops::fma(Ops::load(q + r * qs + e + i * L), kv, acc[r][i]);
       }
     }
     for (; e < n; e += L) {
       const typename Ops::Mask m = Ops::mask(int(n - e));
-      const V kv = Ops::maskload(m, k + e);
+      const V kv = load_as_n<Ops>(m, int(n - e), k + e);
 #pragma GCC unroll 4
       for (int r = 0; r < RB; ++r) acc[r][0] = Ops::fma(Ops::maskload(m, q + r * qs + e), kv, acc[r][0]);
     }
@@ -250,30 +360,33 @@ struct VecKernels {
   }
 
   //   s[x*ss] = q_x . k for x < R, the K row read in order, four query rows at a time
-  static void dot_rows(const T* q, index_t qs, index_t R, const T* k, index_t n, T* s, index_t ss) {
+  template <class S>
+  static void dot_rows(const T* q, index_t qs, index_t R, const S* k, index_t n, T* s, index_t ss) {
     index_t x = 0;
-    for (; x + 4 <= R; x += 4) dot_block<4>(q + x * qs, qs, k, n, s + x * ss, ss);
+    for (; x + 4 <= R; x += 4) dot_block<4, S>(q + x * qs, qs, k, n, s + x * ss, ss);
     switch (R - x) {
-      case 3: dot_block<3>(q + x * qs, qs, k, n, s + x * ss, ss); break;
-      case 2: dot_block<2>(q + x * qs, qs, k, n, s + x * ss, ss); break;
-      case 1: dot_block<1>(q + x * qs, qs, k, n, s + x * ss, ss); break;
+      case 3: dot_block<3, S>(q + x * qs, qs, k, n, s + x * ss, ss); break;
+      case 2: dot_block<2, S>(q + x * qs, qs, k, n, s + x * ss, ss); break;
+      case 1: dot_block<1, S>(q + x * qs, qs, k, n, s + x * ss, ss); break;
       default: break;
     }
   }
 
   //   acc[r, :w] += sum_j p[r*ps + j] * v[j*v_rs, :w] for RB rows: NV vectors of each V row are
   //   loaded once for all RB rows, and the RB x NV accumulators stay in registers over the kb rows.
-  template <int NV, int RB>
-  static void pv_block(const T* p, index_t ps, index_t kb, const T* v, index_t v_rs, int w, T* acc, index_t ldacc) {
-    const typename Ops::Mask last = Ops::mask(w - (NV - 1) * L);
-    auto ld = [&](int i, const T* ptr) { return i < NV - 1 ? Ops::load(ptr) : Ops::maskload(last, ptr); };
+  template <int NV, int RB, class S>
+  static void pv_block(const T* p, index_t ps, index_t kb, const S* v, index_t v_rs, int w, T* acc, index_t ldacc) {
+    const int nlast = w - (NV - 1) * L;
+    const typename Ops::Mask last = Ops::mask(nlast);
+    auto ldt = [&](int i, const T* ptr) { return i < NV - 1 ? Ops::load(ptr) : Ops::maskload(last, ptr); };
+    auto ld = [&](int i, const S* ptr) { return i < NV - 1 ? load_as<Ops>(ptr) : load_as_n<Ops>(last, nlast, ptr); };
     V a[RB][NV];
 #pragma GCC unroll 4
     for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 8
-      for (int i = 0; i < NV; ++i) a[r][i] = ld(i, acc + r * ldacc + i * L);
+      for (int i = 0; i < NV; ++i) a[r][i] = ldt(i, acc + r * ldacc + i * L);
     for (index_t j = 0; j < kb; ++j) {
-      const T* vr = v + j * v_rs;
+      const S* vr = v + j * v_rs;
       V vv[NV];
 #pragma GCC unroll 8
       for (int i = 0; i < NV; ++i) vv[i] = ld(i, vr + i * L);
@@ -293,32 +406,33 @@ struct VecKernels {
   }
 
   // One column chunk of width w (at most CW = 16 / RB vectors) for RB rows.
-  template <int RB>
-  static void pv_chunk(const T* p, index_t ps, index_t kb, const T* v, index_t v_rs, int w, T* acc, index_t ldacc) {
+  template <int RB, class S>
+  static void pv_chunk(const T* p, index_t ps, index_t kb, const S* v, index_t v_rs, int w, T* acc, index_t ldacc) {
     switch ((w + L - 1) / L) {
       case 8:
-        if constexpr (RB <= 2) pv_block<8, RB>(p, ps, kb, v, v_rs, w, acc, ldacc);
+        if constexpr (RB <= 2) pv_block<8, RB, S>(p, ps, kb, v, v_rs, w, acc, ldacc);
         break;
       case 7:
-        if constexpr (RB <= 2) pv_block<7, RB>(p, ps, kb, v, v_rs, w, acc, ldacc);
+        if constexpr (RB <= 2) pv_block<7, RB, S>(p, ps, kb, v, v_rs, w, acc, ldacc);
         break;
       case 6:
-        if constexpr (RB <= 2) pv_block<6, RB>(p, ps, kb, v, v_rs, w, acc, ldacc);
+        if constexpr (RB <= 2) pv_block<6, RB, S>(p, ps, kb, v, v_rs, w, acc, ldacc);
         break;
       case 5:
-        if constexpr (RB <= 2) pv_block<5, RB>(p, ps, kb, v, v_rs, w, acc, ldacc);
+        if constexpr (RB <= 2) pv_block<5, RB, S>(p, ps, kb, v, v_rs, w, acc, ldacc);
         break;
-      case 4: pv_block<4, RB>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
-      case 3: pv_block<3, RB>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
-      case 2: pv_block<2, RB>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
-      default: pv_block<1, RB>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
+      case 4: pv_block<4, RB, S>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
+      case 3: pv_block<3, RB, S>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
+      case 2: pv_block<2, RB, S>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
+      default: pv_block<1, RB, S>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
     }
   }
 
   //   acc[x, :] += sum_j p[x*ps + j] * v[j*v_rs, :] for x < R: rows four (or two, one) at a
   //   time, each V row chunk read once for all of them, in column chunks of 16 / RB vectors
   //   (16 accumulators).
-  static void pv_rows(const T* p, index_t ps, index_t R, index_t kb, const T* v, index_t v_rs, index_t Ev, T* acc) {
+  template <class S>
+  static void pv_rows(const T* p, index_t ps, index_t R, index_t kb, const S* v, index_t v_rs, index_t Ev, T* acc) {
     for (index_t x = 0; x < R;) {
       const int rb = R - x >= 4 ? 4 : R - x >= 2 ? 2 : 1;
       const index_t cw = (rb == 4 ? 4 : 8) * L;
@@ -327,11 +441,11 @@ struct VecKernels {
         const T* px = p + x * ps;
         T* ax = acc + x * Ev + d0;
         if (rb == 4)
-          pv_chunk<4>(px, ps, kb, v + d0, v_rs, w, ax, Ev);
+          pv_chunk<4, S>(px, ps, kb, v + d0, v_rs, w, ax, Ev);
         else if (rb == 2)
-          pv_chunk<2>(px, ps, kb, v + d0, v_rs, w, ax, Ev);
+          pv_chunk<2, S>(px, ps, kb, v + d0, v_rs, w, ax, Ev);
         else
-          pv_chunk<1>(px, ps, kb, v + d0, v_rs, w, ax, Ev);
+          pv_chunk<1, S>(px, ps, kb, v + d0, v_rs, w, ax, Ev);
       }
       x += rb;
     }
@@ -348,8 +462,9 @@ struct RegTileKernels : VecKernels<Ops> {
                       index_t ldc, int nr, bool acc) {
     gemm_ukernel<Ops, NV, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, acc);
   }
+  template <bool CAP, bool ALIBI>
   static void ukernel_exp2(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
-                           index_t ldc, int nr, const T* sub, T* xmax, T* csum) {
-    gemm_ukernel_exp2<Ops, NV, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, sub, xmax, csum);
+                           index_t ldc, int nr, const T* sub, T* xmax, T* csum, const ScoreMods<T>& md, T base) {
+    gemm_ukernel_exp2<Ops, NV, MR, CAP, ALIBI>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, sub, xmax, csum, md, base);
   }
 };

@@ -69,9 +69,30 @@ struct OpsF32 {
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static V abs(V a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+  static V copysign(V mag, V sgn) {
+    const V sb = _mm256_set1_ps(-0.0f);
+    return _mm256_or_ps(_mm256_andnot_ps(sb, mag), _mm256_and_ps(sgn, sb));
+  }
+  static V select_lt(V a, V b, V x, V y) { return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
   static V maskz(Mask m, V v) { return _mm256_and_ps(v, _mm256_castsi256_ps(m)); }
   static T reduce_add(V v) { return hsum_ps(v); }
   static V exp2(V v) { return exp2_ps(v); }
+  // Half-precision rows: float16 by vcvtph2ps (F16C), bfloat16 by widening to the high half. AVX2
+  // has no 16-bit masked load: a partial row goes through a zeroed 8-lane copy.
+  static V load_f16(const f16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static V bf16_bits(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+  static V load_bf16(const bf16_t* p) { return bf16_bits(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  template <class H>
+  static __m128i load_half_n(int n, const H* p) {
+    alignas(16) std::uint16_t buf[8] = {};
+    __builtin_memcpy(buf, p, std::size_t(n < 8 ? n : 8) * 2);
+    return _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
+  }
+  static V load_f16_n(Mask, int n, const f16_t* p) { return _mm256_cvtph_ps(load_half_n(n, p)); }
+  static V load_bf16_n(Mask, int n, const bf16_t* p) { return bf16_bits(load_half_n(n, p)); }
 };
 struct OpsF64 {
   using T = double;
@@ -89,6 +110,14 @@ struct OpsF64 {
   static V sub(V a, V b) { return _mm256_sub_pd(a, b); }
   static V max(V a, V b) { return _mm256_max_pd(a, b); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_pd(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_pd(a, b); }
+  static V div(V a, V b) { return _mm256_div_pd(a, b); }
+  static V abs(V a) { return _mm256_andnot_pd(_mm256_set1_pd(-0.0), a); }
+  static V copysign(V mag, V sgn) {
+    const V sb = _mm256_set1_pd(-0.0);
+    return _mm256_or_pd(_mm256_andnot_pd(sb, mag), _mm256_and_pd(sgn, sb));
+  }
+  static V select_lt(V a, V b, V x, V y) { return _mm256_blendv_pd(y, x, _mm256_cmp_pd(a, b, _CMP_LT_OQ)); }
   static V maskz(Mask m, V v) { return _mm256_and_pd(v, _mm256_castsi256_pd(m)); }
   static T reduce_add(V v) { return hsum_pd(v); }
   static V exp2(V v) { return exp2_pd(v); }

@@ -57,9 +57,22 @@ struct OpsF32 {
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V max(V a, V b) { return _mm512_max_ps(a, b); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  static V abs(V a) { return _mm512_abs_ps(a); }
+  static V copysign(V mag, V sgn) {  // |mag| with sgn's sign bit
+    return _mm512_or_ps(_mm512_abs_ps(mag), _mm512_and_ps(sgn, _mm512_set1_ps(-0.0f)));
+  }
+  static V select_lt(V a, V b, V x, V y) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x); }
   static V maskz(Mask m, V v) { return _mm512_maskz_mov_ps(m, v); }
   static T reduce_add(V v) { return _mm512_reduce_add_ps(v); }
   static V exp2(V v) { return exp2_ps(v); }
+  // Half-precision rows: float16 by vcvtph2ps (F16C), bfloat16 by widening to the high half.
+  static V load_f16(const f16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static V load_f16_n(Mask m, int, const f16_t* p) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+  static V bf16_bits(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+  static V load_bf16(const bf16_t* p) { return bf16_bits(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static V load_bf16_n(Mask m, int, const bf16_t* p) { return bf16_bits(_mm256_maskz_loadu_epi16(m, p)); }
 };
 struct OpsF64 {
   using T = double;
@@ -77,6 +90,11 @@ struct OpsF64 {
   static V sub(V a, V b) { return _mm512_sub_pd(a, b); }
   static V max(V a, V b) { return _mm512_max_pd(a, b); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_pd(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_pd(a, b); }
+  static V div(V a, V b) { return _mm512_div_pd(a, b); }
+  static V abs(V a) { return _mm512_abs_pd(a); }
+  static V copysign(V mag, V sgn) { return _mm512_or_pd(_mm512_abs_pd(mag), _mm512_and_pd(sgn, _mm512_set1_pd(-0.0))); }
+  static V select_lt(V a, V b, V x, V y) { return _mm512_mask_blend_pd(_mm512_cmp_pd_mask(a, b, _CMP_LT_OQ), y, x); }
   static V maskz(Mask m, V v) { return _mm512_maskz_mov_pd(m, v); }
   static T reduce_add(V v) { return _mm512_reduce_add_pd(v); }
   static V exp2(V v) { return exp2_pd(v); }

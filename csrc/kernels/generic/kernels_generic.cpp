@@ -35,22 +35,40 @@ struct GenericKernels {
         csum[j] += c[r * ldc + j];
       }
   }
+  //   s[i] = mods(s[i]): s = cap * tanh(s * inv_cap), then s += nslope * |base + step * i|
+  template <bool CAP, bool ALIBI>
+  static void mod_span(T* s, index_t n, const ScoreMods<T>& md, T base, T step) {
+    for (index_t i = 0; i < n; ++i) {
+      T x = s[i];
+      if (CAP) x = md.cap * std::tanh(x * md.inv_cap);
+      if (ALIBI) x += md.nslope * std::fabs(base + step * T(i));
+      s[i] = x;
+    }
+  }
+  //   dst[r*drs + c] = src[r*srs + c], converted to T
+  template <class S>
+  static void convert_rows(const S* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
+    for (index_t r = 0; r < rows; ++r)
+      for (index_t c = 0; c < cols; ++c) dst[r * drs + c] = T(to_float(src[r * srs + c]));
+  }
   //   s[x*ss] = q_x . k for x < R
-  static void dot_rows(const T* q, index_t qs, index_t R, const T* k, index_t n, T* s, index_t ss) {
+  template <class S>
+  static void dot_rows(const T* q, index_t qs, index_t R, const S* k, index_t n, T* s, index_t ss) {
     for (index_t x = 0; x < R; ++x) {
       T d = T(0);
-      for (index_t e = 0; e < n; ++e) d += q[x * qs + e] * k[e];
+      for (index_t e = 0; e < n; ++e) d += q[x * qs + e] * T(to_float(k[e]));
       s[x * ss] = d;
     }
   }
   //   acc[x, d] += sum_j p[x*ps + j] * v[j*v_rs + d]
-  static void pv_rows(const T* p, index_t ps, index_t R, index_t kb, const T* v, index_t v_rs, index_t Ev, T* acc) {
+  template <class S>
+  static void pv_rows(const T* p, index_t ps, index_t R, index_t kb, const S* v, index_t v_rs, index_t Ev, T* acc) {
     for (index_t x = 0; x < R; ++x)
       for (index_t j = 0; j < kb; ++j) {
         const T pj = p[x * ps + j];
-        const T* vr = v + j * v_rs;
+        const S* vr = v + j * v_rs;
         T* ax = acc + x * Ev;
-        for (index_t d = 0; d < Ev; ++d) ax[d] += pj * vr[d];
+        for (index_t d = 0; d < Ev; ++d) ax[d] += pj * T(to_float(vr[d]));
       }
   }
   //   x[i] = exp2(x[i] - sub[i]); sum[i] += x[i]
@@ -84,9 +102,11 @@ struct sgemm_ukernel_4x16_generic : GenericKernels<float> {
                       index_t ldc, int nr, bool accumulate) {
     gemm_ukernel_ref<T, MR, NR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, accumulate);
   }
+  template <bool CAP, bool ALIBI>
   static void ukernel_exp2(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
-                           index_t ldc, int nr, const T* sub, T* xmax, T* csum) {
+                           index_t ldc, int nr, const T* sub, T* xmax, T* csum, const ScoreMods<T>& md, T base) {
     gemm_ukernel_ref<T, MR, NR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, false);
+    for (int r = 0; r < mr; ++r) mod_span<CAP, ALIBI>(c + r * ldc, nr, md, base - T(r), T(1));
     exp2_tile(mr, nr, c, ldc, sub, xmax, csum);
   }
 };
@@ -101,9 +121,11 @@ struct dgemm_ukernel_4x8_generic : GenericKernels<double> {
                       index_t ldc, int nr, bool accumulate) {
     gemm_ukernel_ref<T, MR, NR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, accumulate);
   }
+  template <bool CAP, bool ALIBI>
   static void ukernel_exp2(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
-                           index_t ldc, int nr, const T* sub, T* xmax, T* csum) {
+                           index_t ldc, int nr, const T* sub, T* xmax, T* csum, const ScoreMods<T>& md, T base) {
     gemm_ukernel_ref<T, MR, NR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, false);
+    for (int r = 0; r < mr; ++r) mod_span<CAP, ALIBI>(c + r * ldc, nr, md, base - T(r), T(1));
     exp2_tile(mr, nr, c, ldc, sub, xmax, csum);
   }
 };
