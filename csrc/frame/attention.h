@@ -17,7 +17,7 @@
 // way). The NP panels of a task share each K and V row read. Only the keys a task's queries may
 // see are visited: causal and window edges, and the valid length kv_lens, bound the key range,
 // panels join and leave as it moves, and only the blocks that cross an edge are masked element
-// by element. Scratch per thread is NP * NR * (E + BK + Ev + 7) elements (plus BK * (E + Ev)
+// by element. Scratch per thread is NP * NR * (E + BK + Ev + 8) elements (plus BK * (E + Ev)
 // for half K/V) whatever the sequence lengths.
 //
 // Decode (few queries, long Lk): one task = (group of heads sharing K/V, chunk of keys); all
@@ -40,7 +40,7 @@ struct Attention {
   const T* query;
   const KV *key, *value;   // read in place: only the small Q^T panel tile is ever packed
   T *out, *lse, *weights;  // lse and weights are null unless asked for
-  T s2;                    // scale * log2(e), folded into Q
+  T s2;                    // scale * log2(e), folded into Q (divided by the cap with a softcap)
   ScoreMods<T> mods0;      // softcap in log2 units; nslope is per problem
   const T *slopes, *sinks;
   index_t wl, wr;  // window sides (kNoLimit: none); wr is at most 0 with causal
@@ -53,13 +53,12 @@ struct Attention {
         out(static_cast<T*>(args.out)),
         lse(static_cast<T*>(args.lse)),
         weights(static_cast<T*>(args.weights)),
-        s2(T(args.scale * kLog2e)),
+        s2(T(args.scale * kLog2e / (args.softcap > 0 ? args.softcap * kLog2e : 1.0))),
         slopes(static_cast<const T*>(args.alibi)),
         sinks(static_cast<const T*>(args.sinks)),
         wl(args.win_left),
         wr(args.causal ? min_of<index_t>(args.win_right, 0) : args.win_right) {
-    const T cap = T(args.softcap * kLog2e);
-    mods0 = ScoreMods<T>{cap, cap > T(0) ? T(1) / cap : T(0), T(0)};
+    mods0 = ScoreMods<T>{T(args.softcap * kLog2e), T(0)};
   }
 
   // One (batch, head) problem's keys: Lk of them exist (kv_lens), query i is aligned with key
@@ -97,12 +96,13 @@ struct Attention {
     T* cmax;     // column max of the block's scores (fused path: of S^T - sub)
     T* csum;     // column sums of the block's P^T
     T* inv;      // 1 / l (0 where no key was visible, NaN where l is), once the panel is finished
+    T* bhw;      // ALiBi: the largest bias of the blocks taken in so far (see anticipate_bias)
     bool ready;  // every m is finite: unmasked blocks may take the fused path
     bool fresh;  // no key block taken in yet (l and acc are 0)
     int nr;      // the panel's real queries: kernels compute only the vectors that hold them,
                  // and the rest of st holds finite filler
   };
-  static constexpr int kStatVectors = 7;  // m, l, sub, alpha, cmax, csum, inv
+  static constexpr int kStatVectors = 8;  // m, l, sub, alpha, cmax, csum, inv, bhw
 
   // Elements of one panel's scratch: qt + st + acc + the statistics vectors.
   static std::size_t tile_elems(index_t E, index_t Ev) {
@@ -115,7 +115,7 @@ struct Attention {
     t.st = t.qt + a.E * NR;
     t.acc = t.st + BK * NR;
     T* stats = t.acc + a.Ev * NR;
-    T** vecs[kStatVectors] = {&t.m, &t.l, &t.sub, &t.alpha, &t.cmax, &t.csum, &t.inv};
+    T** vecs[kStatVectors] = {&t.m, &t.l, &t.sub, &t.alpha, &t.cmax, &t.csum, &t.inv, &t.bhw};
     for (int i = 0; i < kStatVectors; ++i) *vecs[i] = stats + i * NR;
     t.ready = false;
     t.fresh = true;
@@ -130,6 +130,7 @@ struct Attention {
       t.l[c] = T(0);
       t.sub[c] = T(0);
       t.alpha[c] = T(1);
+      t.bhw[c] = -kInf;
     }
     for (index_t x = 0; x < a.Ev * NR; ++x) t.acc[x] = T(0);
     t.ready = false;
@@ -316,17 +317,47 @@ struct Attention {
     if (moved) scale_acc(t, t.alpha);
   }
 
-  // After a fused block: l += csum, unless some score exceeded its reference by over kSlack
-  // (P may have overflowed): then the block's scores are recomputed and taken the two-pass way.
+  // After a fused block: l += csum. Where a score exceeded its query's reference by over kSlack
+  // but not by kRescaleMax, P = exp2(S - sub) is kept: the reference moves up by d = ceil(cmax),
+  // and the column's P, csum, l and acc are scaled by 2^-d in place, exactly (a power of two).
+  // Only past kRescaleMax is the block recomputed and taken the two-pass way: S - sub is rounded
+  // to the float spacing at its size, so a far stale reference costs accuracy (16: below an ulp
+  // of P at 1e-6 for float; 96 gave 4x the two-pass error under a steep ALiBi).
+  static constexpr T kRescaleMax = T(sizeof(T) == 4 ? 16 : 960);
   template <bool CAP, bool ALIBI>
   PYATTN_PHASE void finish_fused(const Problem& p, index_t qp, index_t k0, index_t kb, const Block& blk,
                                  Tile& t) const {
-    bool over = false;
-    for (int c = 0; c < NR; ++c) over |= t.cmax[c] > kSlack;
-    if (over) {
+    bool over = false, overflow = false;
+    for (int c = 0; c < NR; ++c) {
+      over |= t.cmax[c] > kSlack;
+      overflow |= t.cmax[c] > kRescaleMax;
+    }
+    if (overflow) {
       scores<CAP, ALIBI>(p, qp, k0, kb, blk, &t, 1, nullptr, false);
       online_softmax(kb, t);
       return;
+    }
+    if (over) {
+      for (int c = 0; c < NR; ++c) {
+        T f = T(1);
+        if (t.cmax[c] > kSlack) {
+          const T d = std::ceil(t.cmax[c]);
+          f = T(std::exp2(-d));
+          t.m[c] = t.sub[c] = t.sub[c] + d;
+        }
+        t.alpha[c] = f;
+      }
+      for (index_t j = 0; j < kb; ++j) {
+        T* s = t.st + j * NR;
+#pragma omp simd
+        for (int c = 0; c < NR; ++c) s[c] *= t.alpha[c];
+      }
+#pragma omp simd
+      for (int c = 0; c < NR; ++c) {
+        t.csum[c] *= t.alpha[c];
+        t.l[c] *= t.alpha[c];
+      }
+      scale_acc(t, t.alpha);
     }
 #pragma omp simd
     for (int c = 0; c < NR; ++c) t.l[c] += t.csum[c];
@@ -345,6 +376,34 @@ struct Attention {
       for (int i = 0; i < np; ++i)
         K::ukernel(mr, kb, blk.v + d, 1, blk.v_rs, t[i].st, NR, t[i].acc + d * NR, NR, t[i].nr, true);
     }
+  }
+
+  // ALiBi makes scores rise by up to slope * BK * log2(e) from one key block to the next (towards
+  // the diagonal), far past the lazy reference's slack. The bias is known before the block is
+  // computed: its largest value for query i over keys [k0, k0+kb) is nslope * dist(i + off,
+  // block). Where that exceeds what earlier blocks reached, the reference of a ready column moves
+  // up by the difference (rounded up to an integer, so l and acc scale exactly by 2^-d) before
+  // the fused kernel runs, which then sees only the spread of the raw scores.
+  void anticipate_bias(const Problem& p, index_t qp, index_t k0, index_t kb, Tile& t) const {
+    bool moved = false;
+    for (int c = 0; c < NR; ++c) {
+      const index_t i = qp + c + p.off;
+      const index_t dist = i < k0 ? k0 - i : i > k0 + kb - 1 ? i - (k0 + kb - 1) : 0;
+      const T b = p.md.nslope * T(dist);
+      T f = T(1);
+      if (t.ready && b > t.bhw[c] && t.bhw[c] > -kInf) {
+        const T d = std::ceil(b - t.bhw[c]);
+        f = T(std::exp2(-d));
+        t.m[c] = t.sub[c] = t.sub[c] + d;
+      }
+      t.bhw[c] = b > t.bhw[c] ? b : t.bhw[c];
+      t.alpha[c] = f;
+      moved |= f != T(1);
+    }
+    if (!moved) return;
+#pragma omp simd
+    for (int c = 0; c < NR; ++c) t.l[c] *= t.alpha[c];
+    scale_acc(t, t.alpha);
   }
 
   // First query of panel i and last query of panel i of a group starting at q0.
@@ -389,6 +448,8 @@ struct Attention {
       const int na = p1 - p0;
       const bool plain = unmasked(p, qa, last_q(q0, p1 - 1), k0, kb);
       const Block kblk = key_block(p, k0, kb, cv);
+      if constexpr (ALIBI)
+        for (int i = 0; i < na; ++i) anticipate_bias(p, qa + i * NR, k0, kb, ta[i]);
       bool fused[K::NP];
       for (int i = 0; i < na; ++i) fused[i] = plain && ta[i].ready;
       scores<CAP, ALIBI>(p, qa, k0, kb, kblk, ta, na, fused, plain);

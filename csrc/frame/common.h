@@ -107,12 +107,13 @@ inline void team(int nt, Setup&& setup, Work&& work) {
 // A setup for team() that needs no per-thread state.
 inline int no_state() { return 0; }
 
-// The score variants of attention as the kernels apply them, in log2 units (scale * log2(e)
-// is folded into the queries): s = cap * tanh(s * inv_cap) when softcapped, then s += nslope *
-// |i + off - j| for ALiBi (nslope = -slope * log2(e)).
+// The score variants of attention as the kernels apply them, in log2 units: s = cap * tanh(s)
+// when softcapped (scale * log2(e) / cap is folded into the queries, so the kernel's dot product
+// is already tanh's argument), then s += nslope * |i + off - j| for ALiBi (nslope = -slope *
+// log2(e)).
 template <class T>
 struct ScoreMods {
-  T cap, inv_cap, nslope;
+  T cap, nslope;
 };
 
 // float16 and bfloat16 to float, one value (the vector kernels convert whole rows in registers).

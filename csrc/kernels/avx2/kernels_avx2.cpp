@@ -77,6 +77,7 @@ struct OpsF32 {
     return _mm256_or_ps(_mm256_andnot_ps(sb, mag), _mm256_and_ps(sgn, sb));
   }
   static V select_lt(V a, V b, V x, V y) { return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
+  static bool any_ge(V a, V b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ)) != 0; }
   static V maskz(Mask m, V v) { return _mm256_and_ps(v, _mm256_castsi256_ps(m)); }
   static T reduce_add(V v) { return hsum_ps(v); }
   static V exp2(V v) { return exp2_ps(v); }
@@ -118,6 +119,7 @@ struct OpsF64 {
     return _mm256_or_pd(_mm256_andnot_pd(sb, mag), _mm256_and_pd(sgn, sb));
   }
   static V select_lt(V a, V b, V x, V y) { return _mm256_blendv_pd(y, x, _mm256_cmp_pd(a, b, _CMP_LT_OQ)); }
+  static bool any_ge(V a, V b) { return _mm256_movemask_pd(_mm256_cmp_pd(a, b, _CMP_GE_OQ)) != 0; }
   static V maskz(Mask m, V v) { return _mm256_and_pd(v, _mm256_castsi256_pd(m)); }
   static T reduce_add(V v) { return hsum_pd(v); }
   static V exp2(V v) { return exp2_pd(v); }

@@ -64,6 +64,7 @@ struct OpsF32 {
     return _mm512_or_ps(_mm512_abs_ps(mag), _mm512_and_ps(sgn, _mm512_set1_ps(-0.0f)));
   }
   static V select_lt(V a, V b, V x, V y) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x); }
+  static bool any_ge(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ) != 0; }
   static V maskz(Mask m, V v) { return _mm512_maskz_mov_ps(m, v); }
   static T reduce_add(V v) { return _mm512_reduce_add_ps(v); }
   static V exp2(V v) { return exp2_ps(v); }
@@ -95,6 +96,7 @@ struct OpsF64 {
   static V abs(V a) { return _mm512_abs_pd(a); }
   static V copysign(V mag, V sgn) { return _mm512_or_pd(_mm512_abs_pd(mag), _mm512_and_pd(sgn, _mm512_set1_pd(-0.0))); }
   static V select_lt(V a, V b, V x, V y) { return _mm512_mask_blend_pd(_mm512_cmp_pd_mask(a, b, _CMP_LT_OQ), y, x); }
+  static bool any_ge(V a, V b) { return _mm512_cmp_pd_mask(a, b, _CMP_GE_OQ) != 0; }
   static V maskz(Mask m, V v) { return _mm512_maskz_mov_pd(m, v); }
   static T reduce_add(V v) { return _mm512_reduce_add_pd(v); }
   static V exp2(V v) { return exp2_pd(v); }

@@ -35,12 +35,13 @@ struct GenericKernels {
         csum[j] += c[r * ldc + j];
       }
   }
-  //   s[i] = mods(s[i]): s = cap * tanh(s * inv_cap), then s += nslope * |base + step * i|
+  //   s[i] = mods(s[i]): s = cap * tanh(s) (s arrives divided by the cap), then
+  //   s += nslope * |base + step * i|
   template <bool CAP, bool ALIBI>
   static void mod_span(T* s, index_t n, const ScoreMods<T>& md, T base, T step) {
     for (index_t i = 0; i < n; ++i) {
       T x = s[i];
-      if (CAP) x = md.cap * std::tanh(x * md.inv_cap);
+      if (CAP) x = md.cap * std::tanh(x);
       if (ALIBI) x += md.nslope * std::fabs(base + step * T(i));
       s[i] = x;
     }
