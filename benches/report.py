@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -110,8 +111,19 @@ def header(data: dict) -> list:
     return lines
 
 
+def _rank(impl: str) -> tuple:
+    """ORDER's position; a variant of a known impl (bench_variants.py: 'pyattn+alibi',
+    'pyattn_full_causal', 'torch_bf16') right after it, in run order; the rest by name."""
+    if impl in ORDER:
+        return (ORDER.index(impl), 0, "")
+    base = re.split(r"[+_]", impl, maxsplit=1)[0]
+    if base in ORDER:
+        return (ORDER.index(base), 1, "")
+    return (len(ORDER), 1, impl)
+
+
 def _impls(by_impl: dict) -> list:
-    return sorted(by_impl, key=lambda i: (ORDER.index(i) if i in ORDER else len(ORDER), i))
+    return sorted(by_impl, key=_rank)  # stable: variants keep the run's order
 
 
 def memory_table(by_impl: dict) -> list:
@@ -193,7 +205,10 @@ def report(data: dict) -> str:
     out = ["# pyattn benchmarks", ""] + header(data) + [""]
     out += [
         "Medians of pytest-benchmark; `peer / pyattn` = peer median / pyattn median "
-        "(above 1: pyattn is faster); `—`: not run (skipped, see the pytest output).",
+        "(above 1: pyattn is faster); `—`: not run (skipped, see the pytest output). "
+        "Rows `pyattn+…` / `pyattn_…` (bench_variants.py) are pyattn with a score variant, "
+        "K/V dtype or cache layout: their `peer / pyattn` is their time over the plain `pyattn` "
+        "row of the same group (below 1: faster than it).",
         "",
     ]
     summary = attention_summary(groups, peak, data.get("machine_info", {}).get("read_gbs"))
