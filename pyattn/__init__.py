@@ -42,6 +42,7 @@ from ._api import (
     show_config,
     softmax,
 )
+from ._merge import merge_attention_states
 from ._nn import (
     MultiHeadAttention,
     additive_attention,
@@ -58,6 +59,7 @@ except Exception:  # pragma: no cover - running from a source tree without metad
 
 __all__ = [
     "scaled_dot_product_attention",
+    "merge_attention_states",
     "multi_head_attention",
     "MultiHeadAttention",
     "softmax",

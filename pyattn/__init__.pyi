@@ -1,5 +1,5 @@
 from contextlib import AbstractContextManager
-from typing import Any, Mapping, Optional, Tuple, Union
+from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
@@ -21,7 +21,18 @@ def scaled_dot_product_attention(
     return_weights: bool = ...,
     return_lse: bool = ...,
     out: Optional[NDArray[Any]] = ...,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = ...,
+    softcap: Optional[float] = ...,
+    alibi_slopes: Optional[ArrayLike] = ...,
+    sinks: Optional[ArrayLike] = ...,
+    kv_lens: Optional[ArrayLike] = ...,
 ) -> Union[NDArray[np.floating], Tuple[NDArray[np.floating], ...]]: ...
+def merge_attention_states(
+    outputs: Union[ArrayLike, Sequence[ArrayLike]],
+    lses: Union[ArrayLike, Sequence[ArrayLike]],
+    *,
+    out: Optional[NDArray[Any]] = ...,
+) -> Tuple[NDArray[np.floating], NDArray[np.floating]]: ...
 def multi_head_attention(
     query: ArrayLike,
     key: ArrayLike,
@@ -43,6 +54,11 @@ def multi_head_attention(
     causal_align: str = ...,
     need_weights: bool = ...,
     average_attn_weights: bool = ...,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = ...,
+    softcap: Optional[float] = ...,
+    alibi_slopes: Optional[ArrayLike] = ...,
+    sinks: Optional[ArrayLike] = ...,
+    kv_lens: Optional[ArrayLike] = ...,
 ) -> Tuple[NDArray[np.floating], Optional[NDArray[np.floating]]]: ...
 
 class MultiHeadAttention:
@@ -85,6 +101,11 @@ class MultiHeadAttention:
         is_causal: bool = ...,
         need_weights: bool = ...,
         average_attn_weights: bool = ...,
+        window: Optional[Tuple[Optional[int], Optional[int]]] = ...,
+        softcap: Optional[float] = ...,
+        alibi_slopes: Optional[ArrayLike] = ...,
+        sinks: Optional[ArrayLike] = ...,
+        kv_lens: Optional[ArrayLike] = ...,
     ) -> Tuple[NDArray[np.floating], Optional[NDArray[np.floating]]]: ...
     def state_dict(self) -> dict[str, NDArray[np.floating]]: ...
     def load_state_dict(self, mapping: Mapping[str, ArrayLike]) -> None: ...

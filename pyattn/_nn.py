@@ -91,6 +91,11 @@ def multi_head_attention(
     causal_align="top_left",
     need_weights=False,
     average_attn_weights=True,
+    window=None,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    kv_lens=None,
 ):
     """Multi-head attention with row-vector projections (``Q = query @ w_q + b_q``).
 
@@ -99,6 +104,11 @@ def multi_head_attention(
     are 1-D. ``num_kv_heads`` (default ``num_heads``) < ``num_heads`` gives grouped-query attention.
     ``attn_mask`` broadcasts to ``(B, H, Lq, Lk)`` (or torch's ``(B*H, Lq, Lk)``), bool True = may
     attend; ``key_padding_mask`` ``(B, Lk)``, True = padding.
+
+    The score variants are passed to :func:`scaled_dot_product_attention` (same semantics, with
+    ``causal_align``): ``window=(left, right)``, ``softcap``, ``alibi_slopes`` ``(H,)``, ``sinks``
+    ``(H,)`` and ``kv_lens`` ``(B,)`` (a scalar for unbatched input): only the first
+    ``kv_lens[b]`` keys of sequence b exist.
 
     Returns ``(output, weights)`` like torch: output ``(B, Lq, E_out)``; weights ``None`` unless
     ``need_weights``, then ``(B, Lq, Lk)`` averaged over heads, or ``(B, H, Lq, Lk)``.
@@ -169,6 +179,11 @@ def multi_head_attention(
         enable_gqa=Hkv != H,
         return_weights=need_weights,
         out=_split_heads(ctx, H),
+        window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        kv_lens=kv_lens,
     )
     y = _linear(ctx, wo.astype(dtype, copy=False), bs[3])
     weights = None
@@ -186,7 +201,9 @@ class MultiHeadAttention:
 
     Parameters are kept in pyattn's row-vector convention: ``w_q`` is ``(embed_dim, H*d)`` (the
     transpose of torch's weight). ``__call__(query, key=None, value=None, ...)`` defaults key and
-    value to query and returns ``(output, weights_or_None)`` as :func:`multi_head_attention`.
+    value to query and returns ``(output, weights_or_None)`` as :func:`multi_head_attention`; the
+    score variants (``window``, ``softcap``, ``alibi_slopes``, ``sinks``, ``kv_lens``) are passed
+    through to it.
     """
 
     def __init__(self, embed_dim, num_heads, *, num_kv_heads=None, kdim=None, vdim=None, bias=True,
@@ -227,7 +244,8 @@ class MultiHeadAttention:
         return sum(int(v.size) for v in self.state_dict().values())
 
     def __call__(self, query, key=None, value=None, *, attn_mask=None, key_padding_mask=None, is_causal=False,
-                 need_weights=False, average_attn_weights=True):  # fmt: skip
+                 need_weights=False, average_attn_weights=True, window=None, softcap=None, alibi_slopes=None,
+                 sinks=None, kv_lens=None):  # fmt: skip
         if key is None:
             key = query
         if value is None:
@@ -241,6 +259,7 @@ class MultiHeadAttention:
             self.b_q, self.b_k, self.b_v, self.b_o,
             num_kv_heads=self.num_kv_heads, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
             is_causal=is_causal, need_weights=need_weights, average_attn_weights=average_attn_weights,
+            window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, kv_lens=kv_lens,
         )  # fmt: skip
 
     def state_dict(self) -> dict:

@@ -214,4 +214,5 @@ def key_counts(kv_lens, lead: tuple, Lk: int):
         ) from None
     if b.size and (b.min() < 0 or b.max() > Lk):
         raise ValueError(f"kv_lens must be in [0, Lk = {Lk}]; got values from {b.min()} to {b.max()}")
-    return np.ascontiguousarray(np.broadcast_to(b[..., None], lead), dtype=np.int64).reshape(-1)
+    per_problem = np.broadcast_to(b[..., None], lead) if lead else b  # repeated over the heads
+    return np.ascontiguousarray(per_problem, dtype=np.int64).reshape(-1)

@@ -19,7 +19,18 @@ Conventions (as in the API contract):
 * ``key_padding_mask`` (B, Lk) bool means ``True = padding`` (ignored);
 * ``is_causal`` with ``causal_align="top_left"``: query i sees keys j <= i;
   ``causal_align="bottom_right"``: query i sees keys j <= i + Lk - Lq;
-* a query row with no key it may attend to gives zeros (weights 0, lse -inf).
+* a query row with no key it may attend to gives zeros (weights 0, lse -inf;
+  with ``sinks``, lse = the sink).
+
+Score variants (keywords of :func:`scaled_dot_product_attention`), applied in this
+order, with ``off = 0`` (top_left) or ``Lk - Lq`` (bottom_right; ``kv_lens[b] - Lq``
+with ``kv_lens``)::
+
+    s  = scale * q_i . k_j
+    s  = c * tanh(s / c)                          softcap=c
+    s -= slope_h * |i + off - j|                  alibi_slopes
+    s += float mask; bool mask, is_causal, window, kv_lens hide keys (s = -inf)
+    p_j = exp(s_j) / (exp(sink_h) + sum_k exp(s_k))   sinks
 """
 
 from __future__ import annotations
@@ -37,10 +48,12 @@ __all__ = [
     "additive_attention",
     "causal_mask",
     "logsumexp",
+    "merge_attention_states",
 ]
 
 
 def _f64(x):
+    """x as float64 (float16 and ml_dtypes.bfloat16 convert exactly)."""
     return np.asarray(x, dtype=np.float64)
 
 
@@ -69,6 +82,58 @@ def causal_mask(lq, lk, causal_align="top_left"):
     return j <= i + offset
 
 
+def _check_window(window):
+    if window is None:
+        return None
+    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
+        raise ValueError(f"window must be a pair (left, right) of ints >= 0 or None; got {window!r}")
+    sides = []
+    for side in window:
+        if side is not None:
+            if isinstance(side, (bool, np.bool_)) or not isinstance(side, (int, np.integer)):
+                raise TypeError(f"window sides must be ints >= 0 or None; got {window!r}")
+            if side < 0:
+                raise ValueError(f"window sides must be >= 0 (or None); got {window!r}")
+            side = int(side)
+        sides.append(side)
+    return tuple(sides)
+
+
+def _per_head(x, name, lead):
+    """alibi_slopes / sinks as float64 of shape ``lead`` (the output's leading axes)."""
+    a = np.asarray(x)
+    if not (a.dtype.kind in "fiu" or a.dtype.name == "bfloat16"):
+        raise TypeError(f"{name} must be a float array; got dtype {a.dtype}")
+    a = a.astype(np.float64)
+    if lead == () and a.size == 1:
+        return a.reshape(())
+    try:
+        return np.broadcast_to(a, lead)
+    except ValueError:
+        raise ValueError(f"{name} has shape {a.shape}; expected a shape broadcastable to {lead} (..., Hq)") from None
+
+
+def _kv_lens(x, lead, lk):
+    """kv_lens as int64 of shape ``lead[:-1]`` (the leading axes before the heads)."""
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"kv_lens must be an integer array; got dtype {a.dtype}")
+    want = lead[:-1]
+    if want == () and a.size == 1:
+        a = a.reshape(())
+    else:
+        try:
+            a = np.broadcast_to(a, want)
+        except ValueError:
+            raise ValueError(
+                f"kv_lens has shape {a.shape}; expected a shape broadcastable to {want} "
+                "(the leading axes before the heads)"
+            ) from None
+    if a.size and (a.min() < 0 or a.max() > lk):
+        raise ValueError(f"kv_lens must be in [0, Lk={lk}]; got values in [{a.min()}, {a.max()}]")
+    return a.astype(np.int64)
+
+
 def logsumexp(scores, axis=-1):
     """log(sum(exp(scores))) along ``axis``; -inf for rows that are all -inf (or empty)."""
     scores = _f64(scores)
@@ -80,15 +145,21 @@ def logsumexp(scores, axis=-1):
     return np.squeeze(lse, axis=axis)
 
 
-def _softmax_rows(scores, axis=-1):
+def _softmax_rows(scores, axis=-1, sink=None):
     """softmax(scores) along ``axis``; rows that are all -inf (or empty) give zeros.
 
-    Returns (weights, lse).
+    ``sink`` (broadcastable to the scores with ``axis`` of size 1): one more logit in each
+    row's denominator, with no value: ``p_j = exp(s_j) / (exp(sink) + sum_k exp(s_k))``.
+    Returns (weights, lse); lse includes the sink.
     """
     m = np.max(scores, axis=axis, keepdims=True, initial=-np.inf)
+    if sink is not None:
+        m = np.maximum(m, sink)
     m_safe = np.where(np.isneginf(m), 0.0, m)  # all-masked row: exp(-inf - 0) = 0
     e = np.exp(scores - m_safe)
     s = np.sum(e, axis=axis, keepdims=True)
+    if sink is not None:
+        s = s + np.exp(sink - m_safe)
     with np.errstate(divide="ignore", invalid="ignore"):
         weights = np.where(s > 0, e / np.where(s > 0, s, 1.0), 0.0)
         weights = np.where(np.isnan(s), np.nan, weights)  # NaN propagates
@@ -127,22 +198,51 @@ def scaled_dot_product_attention(
     enable_gqa=False,
     return_weights=False,
     return_lse=False,
+    window=None,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    kv_lens=None,
 ):
-    """softmax(Q K^T * scale + mask) V.
+    """softmax(Q K^T * scale + mask) V, with the score variants.
 
     query (..., Hq, Lq, E), key (..., Hkv, Lk, E), value (..., Hkv, Lk, Ev);
     attn_mask broadcastable to (..., Hq, Lq, Lk).  With enable_gqa, query head h
-    uses kv head h // (Hq // Hkv).
+    uses kv head h // (Hq // Hkv).  key/value may be float16 or bfloat16: they are
+    converted to float64 like everything else.
+
+    With ``off`` = 0 (top_left) or Lk - Lq (bottom_right; kv_lens[b] - Lq with
+    kv_lens), the score of query i and key j is, in this order:
+
+    1. s = scale * q_i . k_j
+    2. softcap=c > 0:   s = c * tanh(s / c)
+    3. alibi_slopes:    s -= slope_h * |i + off - j|      (broadcastable to (..., Hq))
+    4. attn_mask:       a float mask is added; a bool mask, is_causal, window and
+                        kv_lens hide keys (s = -inf)
+    5. window=(left, right): key j visible iff i + off - left <= j <= i + off + right
+                        (None: that side unbounded; is_causal caps the right side at 0)
+    6. sinks:           p_j = exp(s_j) / (exp(sink_h) + sum_k exp(s_k))  (broadcastable
+                        to (..., Hq)); lse includes the sink
+    7. kv_lens:         only keys j < kv_lens[b] exist (integer, broadcastable to the
+                        leading axes before the heads; in [0, Lk])
 
     Returns output (..., Hq, Lq, Ev) and, in this order when asked, the weights
-    (..., Hq, Lq, Lk) and the row log-sum-exp (..., Hq, Lq) of the scaled,
-    masked scores.
+    (..., Hq, Lq, Lk) and the row log-sum-exp (..., Hq, Lq) of the final scores
+    (with the sink).  A row with no visible key gives zeros, lse -inf (the sink
+    with sinks).
     """
     q, k, v = _f64(query), _f64(key), _f64(value)
     lq, e = q.shape[-2], q.shape[-1]
     lk = k.shape[-2]
     if scale is None:
         scale = 1.0 / math.sqrt(e) if e > 0 else 1.0
+    if causal_align not in ("top_left", "bottom_right"):
+        raise ValueError(f"causal_align must be 'top_left' or 'bottom_right', got {causal_align!r}")
+    window = _check_window(window)
+    if softcap is not None:
+        softcap = float(softcap)
+        if not 0 < softcap < math.inf:  # also refuses NaN
+            raise ValueError(f"softcap must be a finite number > 0; got {softcap}")
 
     if enable_gqa and q.ndim >= 3 and k.ndim >= 3:
         hq, hkv = q.shape[-3], k.shape[-3]
@@ -151,13 +251,52 @@ def scaled_dot_product_attention(
             k = np.repeat(k, group, axis=-3)  # kv head h // group serves query head h
             v = np.repeat(v, group, axis=-3)
 
+    # 1. the scaled scores
     scores = np.matmul(q, np.swapaxes(k, -1, -2)) * scale  # (..., Lq, Lk)
+    lead = scores.shape[:-2]  # (..., Hq)
+
+    # where query i sits among the keys: rel = i + off - j (0 on the causal diagonal)
+    off = 0
+    n_keys = None  # keys that exist, (..., Hq, 1, 1)
+    if kv_lens is not None:
+        kv = _kv_lens(kv_lens, lead, lk)
+        n_keys = (np.broadcast_to(kv[..., None], lead) if lead else kv)[..., None, None]
+    if causal_align == "bottom_right":
+        off = (lk if n_keys is None else n_keys) - lq
+    i = np.arange(lq)[:, None]
+    j = np.arange(lk)[None, :]
+    rel = i + off - j
+
+    # 2. softcap
+    if softcap is not None:
+        scores = softcap * np.tanh(scores / softcap)
+    # 3. ALiBi
+    if alibi_slopes is not None:
+        slopes = _per_head(alibi_slopes, "alibi_slopes", lead)[..., None, None]
+        scores = scores - slopes * np.abs(rel)
+    # 4. the mask: a float mask is added (a bool one adds -inf where False)
     if attn_mask is not None:
         scores = scores + _additive(attn_mask)
+    # 4, 5, 7. is_causal, window and kv_lens hide keys
+    visible = np.ones(np.shape(rel), dtype=bool)
     if is_causal:
-        scores = np.where(causal_mask(lq, lk, causal_align), scores, -np.inf)
+        visible = visible & (rel >= 0)  # j <= i + off
+    if window is not None:
+        left, right = window
+        if left is not None:
+            visible = visible & (rel <= left)  # j >= i + off - left
+        if right is not None:
+            visible = visible & (rel >= -right)  # j <= i + off + right
+    if n_keys is not None:
+        visible = visible & (j < n_keys)
+        # keys past kv_lens do not exist: their values are never read
+        v = np.where(np.arange(lk)[:, None] < n_keys, v, 0.0)
+    if is_causal or window is not None or n_keys is not None:
+        scores = np.where(visible, scores, -np.inf)
 
-    weights, lse = _softmax_rows(scores, axis=-1)
+    # 6. softmax, with the sink in the denominator
+    sink = None if sinks is None else _per_head(sinks, "sinks", lead)[..., None, None]
+    weights, lse = _softmax_rows(scores, axis=-1, sink=sink)
     out = np.matmul(weights, v)  # (..., Lq, Ev); Lk = 0 gives zeros
 
     if not (return_weights or return_lse):
@@ -168,6 +307,30 @@ def scaled_dot_product_attention(
     if return_lse:
         result += (lse,)
     return result
+
+
+def merge_attention_states(outputs, lses):
+    """Attention over the union of disjoint key sets from the partial results over each.
+
+    outputs (n, ..., Lq, Ev) and lses (n, ..., Lq) (or sequences of n arrays), each pair from
+    a call with return_lse=True (natural log)::
+
+        lse    = log(sum_n exp(lse_n))
+        output = sum_n exp(lse_n - lse) * output_n
+
+    A state with lse_n = -inf (no visible key) contributes nothing; if all are empty the
+    output is zeros and lse -inf.  Returns (output, lse) in float64.
+    """
+    outs = [_f64(o) for o in outputs]
+    ls = [_f64(x) for x in lses]
+    lse = logsumexp(np.stack(np.broadcast_arrays(*ls)), axis=0)
+    lse_safe = np.where(np.isneginf(lse), 0.0, lse)
+    out = 0.0
+    for o, x in zip(outs, ls):
+        w = np.exp(x - lse_safe)[..., None]
+        with np.errstate(invalid="ignore"):  # 0 * inf in an empty state, discarded
+            out = out + np.where(np.isneginf(x)[..., None], 0.0, w * o)  # empty: contributes nothing
+    return out, lse
 
 
 def multi_head_attention(
@@ -191,6 +354,11 @@ def multi_head_attention(
     causal_align="top_left",
     need_weights=False,
     average_attn_weights=True,
+    window=None,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    kv_lens=None,
 ):
     """Multi-head attention, row-vector convention, batch first.
 
@@ -202,6 +370,8 @@ def multi_head_attention(
 
     attn_mask broadcasts to (B, H, Lq, Lk) (torch's (B*H, Lq, Lk) is accepted);
     key_padding_mask (B, Lk) True = padding.
+    window, softcap, alibi_slopes (H,), sinks (H,) and kv_lens (B,) (unbatched: a
+    scalar) are passed to scaled_dot_product_attention.
     Returns (output, weights) where weights is None unless need_weights; then
     (B, Lq, Lk) averaged over heads, or (B, H, Lq, Lk).
     """
@@ -255,6 +425,11 @@ def multi_head_attention(
         causal_align=causal_align,
         enable_gqa=hkv != h,
         return_weights=True,
+        window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        kv_lens=kv_lens,
     )  # (B, H, Lq, Dv), (B, H, Lq, Lk)
     concat = out.transpose(0, 2, 1, 3).reshape(bsz, lq, h * dv)
     output = project(concat, w_o, b_o)
