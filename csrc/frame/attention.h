@@ -232,7 +232,8 @@ struct Attention {
         const int mr = int(min_of<index_t>(MR, kb));
         K::ukernel(mr, a.E, blk.k, blk.k_rs, 1, t[i].qt, NR, t[i].st, NR, t[i].nr, false);
         mod_rows<CAP, ALIBI>(p, q0 + i * NR, k0, 0, mr, t[i]);
-        fused[i] = prime_panel(mr, t[i]);
+        if constexpr (ALIBI) alibi_reference(p, q0 + i * NR, k0, mr, t[i]);
+        fused[i] = prime_panel(mr, t[i], ALIBI);
         first[i] = MR;
       }
     }
@@ -270,13 +271,31 @@ struct Attention {
     }
   }
 
-  // A fresh panel's references from the first mr rows of its first unmasked block:
+  // With ALiBi, a fresh panel's first keys can lie far below the rest of its block (the bias
+  // rises towards the diagonal): its reference is the raw scores' max over those keys plus the
+  // block's largest bias (bhw, set by anticipate_bias), so that the fused kernel sees only the
+  // raw scores' spread over the rest of the block.
+  //   cmax[c] = max_{r < mr} (st[r, c] - bias[r, c]) + bhw[c]
+  void alibi_reference(const Problem& p, index_t qp, index_t k0, int mr, Tile& t) const {
+    const T base = T(qp + p.off - k0);
+    for (int c = 0; c < NR; ++c) {
+      T mx = -kInf;
+      for (int r = 0; r < mr; ++r) {
+        const T d = base + T(c - r), raw = t.st[r * NR + c] - p.md.nslope * (d < 0 ? -d : d);
+        mx = raw > mx ? raw : mx;
+      }
+      t.cmax[c] = mx + t.bhw[c];
+    }
+  }
+
+  // A fresh panel's references from the first mr rows of its first unmasked block (or from
+  // cmax, when the caller has put one there):
   //   m = sub = colmax(st[0:mr]); st[0:mr] = exp2(st[0:mr] - m); csum = colsum; cmax = 0
   // Only where every column's max is finite (no -inf/NaN scores); else the block stays raw for
   // the two-pass update. A later key that beats m by the slack sends the block there too.
-  static bool prime_panel(int mr, Tile& t) {
+  static bool prime_panel(int mr, Tile& t, bool have_reference) {
     T* cm = t.cmax;
-    colmax(t.st, mr, cm);
+    if (!have_reference) colmax(t.st, mr, cm);
     bool finite = true;
     for (int c = 0; c < NR; ++c) finite &= cm[c] > -kInf && cm[c] < kInf;
     if (!finite) return false;
