@@ -161,14 +161,29 @@ PYBIND11_MODULE(_core, m) {
          const py::object& mask, const py::object& moff, index_t m_rs, index_t m_cs, const py::object& lse,
          const py::object& lseoff, index_t lse_s, const py::object& weights, const py::object& woff, index_t w_rs,
          double scale, bool causal, bool bottom_right, double softcap, const py::object& alibi, const py::object& sinks,
-         index_t win_left, index_t win_right, const py::object& kv_lens, int kv_type) {
+         index_t win_left, index_t win_right, const py::object& kv_lens, int kv_type, const py::object& q_lens,
+         const py::object& block_table, const py::object& bt_off, index_t block_size, index_t k_ps, index_t v_ps,
+         const py::object& k_scale, const py::object& ksoff, index_t ks_rs, index_t ks_ps, const py::object& v_scale,
+         const py::object& vsoff, index_t vs_rs, index_t vs_ps) {
 #ifdef PYATTN_DEBUG_CHECKS
         check_same_dtype(out, {{"q", &q}, {"lse", &lse}, {"weights", &weights}, {"alibi", &alibi}, {"sinks", &sinks}});
-        PYATTN_DEBUG_CHECK(kv_type >= 0 && kv_type <= 2, "attention: kv_type must be 0, 1 or 2");
+        PYATTN_DEBUG_CHECK(kv_type >= 0 && kv_type <= 3, "attention: kv_type must be 0 to 3");
         if (kv_type == 0) check_same_dtype(out, {{"k", &k}, {"v", &v}});
         if (kv_type != 0)
-          PYATTN_DEBUG_CHECK(out.itemsize() == 4 && k.itemsize() == 2 && v.itemsize() == 2,
-                             "attention: half K/V need 2-byte k and v and a float32 output");
+          PYATTN_DEBUG_CHECK(
+              out.itemsize() == 4 && k.itemsize() == (kv_type == 3 ? 1 : 2) && v.itemsize() == k.itemsize(),
+              "attention: low-precision K/V need 2-byte (1-byte int8) k and v and a float32 output");
+        PYATTN_DEBUG_CHECK((kv_type == 3) == !k_scale.is_none() && (kv_type == 3) == !v_scale.is_none(),
+                           "attention: int8 K/V need their scales, and only they");
+        if (!q_lens.is_none()) {
+          const py::array ql = py::cast<py::array>(q_lens);
+          PYATTN_DEBUG_CHECK(ql.itemsize() == 8 && ql.ndim() == 1 && index_t(ql.shape(0)) >= bh,
+                             "q_lens: an int64 vector of bh entries");
+          for (index_t i = 0; i < bh; ++i) {
+            const index_t n = static_cast<const index_t*>(ql.data())[i];
+            PYATTN_DEBUG_CHECK(n >= 0 && n <= Lq, "q_lens: a length outside [0, Lq]");
+          }
+        }
         PYATTN_DEBUG_CHECK(softcap >= 0 && win_left >= 0 && win_right >= 0, "attention: negative softcap or window");
         check_matrices("alibi", alibi, py::none(), 1, 1, 0, bh, 1);
         check_matrices("sinks", sinks, py::none(), 1, 1, 0, bh, 1);
@@ -190,8 +205,24 @@ PYBIND11_MODULE(_core, m) {
         if (mask_kind == 2) check_same_dtype(out, {{"mask", &mask}});
         if (mask_kind == 1) PYATTN_DEBUG_CHECK(py::cast<py::array>(mask).itemsize() == 1, "mask: bool masks are uint8");
         check_matrices("q", q, qoff, bh, Lq, q_rs, E, 1);
-        check_matrices("k", k, koff, bh, Lk, k_rs, E, 1);
-        check_matrices("v", v, voff, bh, Lk, v_rs, Ev, 1);
+        if (block_table.is_none()) {
+          check_matrices("k", k, koff, bh, Lk, k_rs, E, 1);
+          check_matrices("v", v, voff, bh, Lk, v_rs, Ev, 1);
+          check_matrices("k_scale", k_scale, ksoff, bh, Lk, ks_rs, 1, 1);
+          check_matrices("v_scale", v_scale, vsoff, bh, Lk, vs_rs, 1, 1);
+        } else {  // every block a problem may read exists
+          const py::array bt = py::cast<py::array>(block_table), bo = py::cast<py::array>(bt_off);
+          PYATTN_DEBUG_CHECK(bt.itemsize() == 4 && bo.itemsize() == 8 && block_size > 0,
+                             "block_table: int32 blocks, int64 offsets");
+          const index_t nblocks = index_t(k.shape(0)), need = (Lk + block_size - 1) / block_size;
+          for (index_t i = 0; i < bh; ++i)
+            for (index_t b = 0; b < need; ++b) {
+              const index_t at = static_cast<const index_t*>(bo.data())[i] + b;
+              PYATTN_DEBUG_CHECK(at >= 0 && at < index_t(bt.size()), "block_table: too few entries");
+              const index_t blk = static_cast<const std::int32_t*>(bt.data())[at];
+              PYATTN_DEBUG_CHECK(blk >= 0 && blk < nblocks, "block_table: a block outside the cache");
+            }
+        }
         check_matrices("out", out, ooff, bh, Lq, o_rs, Ev, 1);
         check_matrices("mask", mask, moff, bh, Lq, m_rs, Lk, m_cs);
         check_matrices("lse", lse, lseoff, bh, Lq, lse_s, 1, 1);
@@ -206,11 +237,15 @@ PYBIND11_MODULE(_core, m) {
                            opt_mptr(weights), offs(woff), w_rs,
                            scale, causal, bottom_right,
                            softcap, opt_cptr(alibi), opt_cptr(sinks), win_left, win_right, offs(kv_lens),
+                           offs(q_lens),
+                           static_cast<const std::int32_t*>(opt_cptr(block_table)), offs(bt_off), block_size, k_ps, v_ps,
+                           static_cast<const float*>(opt_cptr(k_scale)), offs(ksoff), ks_rs, ks_ps,
+                           static_cast<const float*>(opt_cptr(v_scale)), offs(vsoff), vs_rs, vs_ps,
                            pyattn::get_num_threads()};
         // clang-format on
         py::gil_scoped_release nogil;
         const pyattn::IsaTable& isa = pyattn::active_isa();
-        (kv_type == 0 ? isa.attention[dt(out)] : isa.attention_half[kv_type - 1])(a);
+        (kv_type == 0 ? isa.attention[dt(out)] : isa.attention_lowp[kv_type - 1])(a);
       },
       "Fused attention over bh (batch, head) problems at the given element offsets and strides.", py::arg("q"),
       py::arg("k"), py::arg("v"), py::arg("out"), py::arg("bh"), py::arg("Lq"), py::arg("Lk"), py::arg("E"),
@@ -220,7 +255,10 @@ PYBIND11_MODULE(_core, m) {
       py::arg("lse").none(true), py::arg("lseoff").none(true), py::arg("lse_s"), py::arg("weights").none(true),
       py::arg("woff").none(true), py::arg("w_rs"), py::arg("scale"), py::arg("causal"), py::arg("bottom_right"),
       py::arg("softcap"), py::arg("alibi").none(true), py::arg("sinks").none(true), py::arg("win_left"),
-      py::arg("win_right"), py::arg("kv_lens").none(true), py::arg("kv_type"));
+      py::arg("win_right"), py::arg("kv_lens").none(true), py::arg("kv_type"), py::arg("q_lens").none(true),
+      py::arg("block_table").none(true), py::arg("bt_off").none(true), py::arg("block_size"), py::arg("k_ps"),
+      py::arg("v_ps"), py::arg("k_scale").none(true), py::arg("ksoff").none(true), py::arg("ks_rs"), py::arg("ks_ps"),
+      py::arg("v_scale").none(true), py::arg("vsoff").none(true), py::arg("vs_rs"), py::arg("vs_ps"));
 
   m.def("isa", [] { return std::string(pyattn::active_isa().name); }, "Name of the kernel set in use.");
   m.def(

@@ -217,6 +217,8 @@ def scaled_dot_product_attention(
                 scale, bool(is_causal), causal_align == "bottom_right",  # scale, causal, bottom_right
                 cap, slopes, sink, win_left, win_right,  # softcap, alibi, sinks, win_left, win_right
                 lens, kv_type,  # kv_lens, kv_type
+                None, None, None, 0, 0, 0,  # q_lens, block_table, bt_off, block_size, k_ps, v_ps
+                None, None, 0, 0, None, None, 0, 0,  # k_scale, ksoff, ks_rs, ks_ps, v_scale, vsoff, vs_rs, vs_ps
             )  # fmt: skip
             if target is not result:
                 result[...] = target

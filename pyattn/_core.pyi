@@ -89,14 +89,32 @@ def attention(
     win_right: int,
     kv_lens: Optional[np.ndarray],
     kv_type: int,
+    q_lens: Optional[np.ndarray],
+    block_table: Optional[np.ndarray],
+    bt_off: Optional[np.ndarray],
+    block_size: int,
+    k_ps: int,
+    v_ps: int,
+    k_scale: Optional[np.ndarray],
+    ksoff: Optional[np.ndarray],
+    ks_rs: int,
+    ks_ps: int,
+    v_scale: Optional[np.ndarray],
+    vsoff: Optional[np.ndarray],
+    vs_rs: int,
+    vs_ps: int,
 ) -> None:
     """Attention over bh (batch, head) problems: problem i reads q[qoff[i]:] (Lq x E, row stride
     q_rs, unit feature stride), k[koff[i]:] (Lk x E), v[voff[i]:] (Lk x Ev) and writes
     out[ooff[i]:] (Lq x Ev); each run of `group` problems shares one K/V. bottom_right aligns
     causal, window and ALiBi at off = Lk_i - Lq. softcap: 0 for none; alibi, sinks: one value
     per problem (out's dtype) or None; win_left / win_right: window sides (2**50: unbounded);
-    kv_lens: int64 keys per problem or None; kv_type: 0 K/V of out's dtype, 1 float16, 2 bfloat16
-    (float32 out). weights, if given, must be zero-filled."""
+    kv_lens: int64 keys per problem or None; kv_type: 0 K/V of out's dtype, 1 float16, 2 bfloat16,
+    3 int8 (float32 out). q_lens: int64 queries per problem or None (no row past them is written).
+    block_table (int32) / bt_off (int64 per problem) / block_size: a paged cache, key j of problem
+    i at k[koff[i] + block_table[bt_off[i] + j // block_size] * k_ps + (j % block_size) * k_rs]
+    (likewise v and the int8 scales, float32, at ksoff/ks_rs/ks_ps and vsoff/vs_rs/vs_ps).
+    weights, if given, must be zero-filled."""
 
 def isa() -> str: ...
 def set_isa(name: str) -> bool: ...

@@ -49,6 +49,8 @@ def _attention_kwargs(q, k, v, out):
         mask_kind=0, mask=None, moff=None, m_rs=0, m_cs=0, lse=None, lseoff=None, lse_s=1,
         weights=None, woff=None, w_rs=Lk, scale=1.0, causal=False, bottom_right=False,
         softcap=0.0, alibi=None, sinks=None, win_left=1 << 50, win_right=1 << 50, kv_lens=None, kv_type=0,
+        q_lens=None, block_table=None, bt_off=None, block_size=0, k_ps=0, v_ps=0,
+        k_scale=None, ksoff=None, ks_rs=0, ks_ps=0, v_scale=None, vsoff=None, vs_rs=0, vs_ps=0,
     )  # fmt: skip
 
 

@@ -64,6 +64,15 @@ struct AttnArgs {
   const void* sinks;
   index_t win_left, win_right;
   const index_t* kv_lens;
+  const index_t* q_lens;        // queries that exist per problem (index_t[bh], null: all Lq); the
+                                // kernel writes no row past them (packed varlen layouts)
+  // A paged cache (null block_table: contiguous). Key j of problem i is row j % block_size of
+  // block block_table[bt_off[i] + j / block_size], the block's rows k_rs apart and blocks k_ps
+  // apart from k + koff[i] (likewise V, and the int8 scales).
+  const std::int32_t* block_table; const index_t* bt_off; index_t block_size, k_ps, v_ps;
+  // int8 K/V: one float scale per key row (x = q * scale), addressed like the rows.
+  const float* k_scale; const index_t* ksoff; index_t ks_rs, ks_ps;
+  const float* v_scale; const index_t* vsoff; index_t vs_rs, vs_ps;
   int nthreads;
 };
 
@@ -78,14 +87,14 @@ struct f16_t {
 struct bf16_t {
   std::uint16_t bits;
 };
-enum class KvType : int { same = 0, f16 = 1, bf16 = 2 };
+enum class KvType : int { same = 0, f16 = 1, bf16 = 2, i8 = 3 };
 
 struct IsaTable {
   const char* name;
   void (*gemm[2])(const GemmArgs&);
   void (*softmax[2])(const SoftmaxArgs&);
   void (*attention[2])(const AttnArgs&);
-  void (*attention_half[2])(const AttnArgs&);  // float32 compute with f16 [0] or bf16 [1] K/V
+  void (*attention_lowp[3])(const AttnArgs&);  // float32 compute with f16 [0], bf16 [1], int8 [2] K/V
 };
 
 // One table per compiled instruction set (defined in csrc/kernels/<isa>/).

@@ -31,7 +31,8 @@ struct Attention {
   using T = typename K::T;
   static constexpr int MR = K::MR, NR = K::NR, BK = K::BK;
   static constexpr T kInf = NumLimits<T>::inf;
-  static constexpr bool kHalf = !std::is_same<KV, T>::value;  // K/V stored as float16 / bfloat16
+  static constexpr bool kHalf = !std::is_same<KV, T>::value;           // K/V stored as float16 / bfloat16 / int8
+  static constexpr bool kInt8 = std::is_same<KV, std::int8_t>::value;  // ...int8, with a scale per row
   // How far (log2 units) a score may exceed its query's reference before the reference moves:
   // P <= 256 keeps l and acc far from overflow, as in FlashAttention-4's conditional rescaling.
   static constexpr T kSlack = T(8);
@@ -61,21 +62,52 @@ struct Attention {
     mods0 = ScoreMods<T>{T(args.softcap * kLog2e), T(0)};
   }
 
-  // One (batch, head) problem's keys: Lk of them exist (kv_lens), query i is aligned with key
-  // i + off, and sees keys [lo(i), hi(i)) (causal and window; empty when lo >= hi).
+  // One (batch, head) problem: Lq queries and Lk keys exist (q_lens, kv_lens), query i is
+  // aligned with key i + off, and sees keys [lo(i), hi(i)) (causal and window; empty when
+  // lo >= hi); in a paged cache its keys' blocks are listed from block_table[bt0].
   struct Problem {
-    index_t bh, Lk, off;
+    index_t bh, Lq, Lk, off, bt0;
     ScoreMods<T> md;  // with this head's ALiBi slope
   };
   Problem problem(index_t bh) const {
     Problem p;
     p.bh = bh;
+    p.Lq = a.q_lens ? a.q_lens[bh] : a.Lq;
     p.Lk = a.kv_lens ? a.kv_lens[bh] : a.Lk;
-    p.off = a.bottom_right ? p.Lk - a.Lq : 0;
+    p.off = a.bottom_right ? p.Lk - p.Lq : 0;
+    p.bt0 = a.block_table ? a.bt_off[bh] : 0;
     p.md = mods0;
     if (slopes) p.md.nslope = -slopes[bh] * T(kLog2e);
     return p;
   }
+  // Element offset of key row j of problem p in an array addressed by (off, rs, ps): rows rs apart,
+  // or in a paged cache row j % block_size of block block_table[bt0 + j / block_size] (blocks ps
+  // apart). Rows are contiguous for run(j) of them from j on.
+  index_t row_at(const Problem& p, const index_t* off, index_t rs, index_t ps, index_t j) const {
+    if (!a.block_table) return off[p.bh] + j * rs;
+    return off[p.bh] + index_t(a.block_table[p.bt0 + j / a.block_size]) * ps + (j % a.block_size) * rs;
+  }
+  index_t run(index_t j) const { return a.block_table ? a.block_size - j % a.block_size : kNoLimit; }
+  const KV* key_row(const Problem& p, index_t j) const { return key + row_at(p, a.koff, a.k_rs, a.k_ps, j); }
+  const KV* value_row(const Problem& p, index_t j) const { return value + row_at(p, a.voff, a.v_rs, a.v_ps, j); }
+  T key_scale(const Problem& p, index_t j) const { return T(a.k_scale[row_at(p, a.ksoff, a.ks_rs, a.ks_ps, j)]); }
+  T value_scale(const Problem& p, index_t j) const { return T(a.v_scale[row_at(p, a.vsoff, a.vs_rs, a.vs_ps, j)]); }
+  // Rows [j0, j0 + n) of K (or V) asked for into L2, run by run.
+  void prefetch_keys(const Problem& p, index_t j0, index_t n) const {
+    for (index_t j = j0, e = j0 + n; j < e;) {
+      const index_t m = min_of<index_t>(e - j, run(j));
+      prefetch_rows_l2(key_row(p, j), a.k_rs, m, a.E);
+      j += m;
+    }
+  }
+  void prefetch_values(const Problem& p, index_t j0, index_t n) const {
+    for (index_t j = j0, e = j0 + n; j < e;) {
+      const index_t m = min_of<index_t>(e - j, run(j));
+      prefetch_rows_l2(value_row(p, j), a.v_rs, m, a.Ev);
+      j += m;
+    }
+  }
+
   index_t lo(const Problem& p, index_t i) const { return min_of<index_t>(p.Lk, max_of<index_t>(0, i + p.off - wl)); }
   index_t hi(const Problem& p, index_t i) const {
     return max_of<index_t>(0, min_of<index_t>(p.Lk, i + p.off + wr + 1));
@@ -173,8 +205,9 @@ struct Attention {
     return a.mask_kind == MaskKind::none && k0 + kb <= hi(p, qa) && k0 >= lo(p, qz);
   }
 
-  // A key block as the kernels read it: in place for float K/V, else converted into the task's
-  // tiles kc (BK x E) and vc (BK x Ev).
+  // A key block as the kernels read it: in place for float K/V in a contiguous cache, else
+  // gathered run by run (paged) and converted (half, int8 times its row scales) into the task's
+  // tiles kc (BK x E) and vc (BK x Ev), which stay in L1 for the block's panels.
   struct Block {
     const T *k, *v;
     index_t k_rs, v_rs;
@@ -182,25 +215,33 @@ struct Attention {
   struct Convert {
     T *kc, *vc;
   };
-  Block key_block(const Problem& p, index_t k0, index_t kb, const Convert& cv) const {
-    const KV* kp = key + a.koff[p.bh] + k0 * a.k_rs;
-    if constexpr (kHalf) {
-      K::convert_rows(kp, a.k_rs, kb, a.E, cv.kc, a.E);
-      return Block{cv.kc, nullptr, a.E, 0};
-    } else {
-      (void)cv;
-      return Block{kp, nullptr, a.k_rs, 0};
+  bool gathers() const { return kHalf || a.block_table != nullptr; }
+  void gather_rows(const Problem& p, index_t k0, index_t kb, bool keys, T* dst) const {
+    const index_t n = keys ? a.E : a.Ev, rs = keys ? a.k_rs : a.v_rs;
+    for (index_t j = k0, e = k0 + kb; j < e;) {
+      const index_t m = min_of<index_t>(e - j, run(j));
+      K::convert_rows(keys ? key_row(p, j) : value_row(p, j), rs, m, n, dst + (j - k0) * n, n);
+      if constexpr (kInt8)
+        for (index_t r = 0; r < m; ++r) {
+          const T sc = keys ? key_scale(p, j + r) : value_scale(p, j + r);
+          T* row = dst + (j - k0 + r) * n;
+#pragma omp simd
+          for (index_t x = 0; x < n; ++x) row[x] *= sc;
+        }
+      j += m;
     }
   }
+  Block key_block(const Problem& p, index_t k0, index_t kb, const Convert& cv) const {
+    if constexpr (!kHalf)
+      if (!a.block_table) return Block{key + a.koff[p.bh] + k0 * a.k_rs, nullptr, a.k_rs, 0};
+    gather_rows(p, k0, kb, true, cv.kc);
+    return Block{cv.kc, nullptr, a.E, 0};
+  }
   Block value_block(const Problem& p, index_t k0, index_t kb, const Convert& cv) const {
-    const KV* vp = value + a.voff[p.bh] + k0 * a.v_rs;
-    if constexpr (kHalf) {
-      K::convert_rows(vp, a.v_rs, kb, a.Ev, cv.vc, a.Ev);
-      return Block{nullptr, cv.vc, 0, a.Ev};
-    } else {
-      (void)cv;
-      return Block{nullptr, vp, 0, a.v_rs};
-    }
+    if constexpr (!kHalf)
+      if (!a.block_table) return Block{nullptr, value + a.voff[p.bh] + k0 * a.v_rs, 0, a.v_rs};
+    gather_rows(p, k0, kb, false, cv.vc);
+    return Block{nullptr, cv.vc, 0, a.Ev};
   }
 
   // The score variants on rows [j, j+mr) of a panel's raw S^T (queries from qp, keys from k0).
@@ -237,10 +278,9 @@ struct Attention {
         first[i] = MR;
       }
     }
-    const KV* vraw = value + a.voff[p.bh] + k0 * a.v_rs;
     for (index_t j = 0; j < kb; j += MR) {
       const int mr = int(min_of<index_t>(MR, kb - j));
-      prefetch_rows_l2(vraw + j * a.v_rs, a.v_rs, mr, a.Ev);  // this block's V, used next
+      prefetch_values(p, k0 + j, mr);  // this block's V, used next
       for (int i = 0; i < np; ++i) {
         if (j < first[i]) continue;
         if (fused && fused[i]) {
@@ -253,10 +293,10 @@ struct Attention {
         }
       }
     }
-    const index_t qz = min_of<index_t>(a.Lq, q0 + index_t(np) * NR) - 1;
+    const index_t qz = min_of<index_t>(p.Lq, q0 + index_t(np) * NR) - 1;
     if (unmasked(p, q0, qz, k0, kb)) return;
     for (int i = 0; i < np; ++i) {
-      const index_t qp = q0 + i * NR, qc = min_of<index_t>(NR, a.Lq - qp);
+      const index_t qp = q0 + i * NR, qc = min_of<index_t>(NR, p.Lq - qp);
       for (index_t c = 0; c < qc; ++c) mask_row(p, qp + c, k0, kb, t[i].st + c, NR);
     }
   }
@@ -388,10 +428,9 @@ struct Attention {
     // The next block's K rows, spread over the value-column steps.
     const index_t nnext = min_of<index_t>(BK, kend - k0 - kb),
                   per = ceil_div(nnext, max_of<index_t>(1, ceil_div(a.Ev, MR)));
-    const KV* knext = key + a.koff[p.bh] + (k0 + kb) * a.k_rs;
     for (index_t d = 0, r = 0; d < a.Ev; d += MR, r += per) {
       const int mr = int(min_of<index_t>(MR, a.Ev - d));
-      if (r < nnext) prefetch_rows_l2(knext + r * a.k_rs, a.k_rs, min_of<index_t>(per, nnext - r), a.E);
+      if (r < nnext) prefetch_keys(p, k0 + kb + r, min_of<index_t>(per, nnext - r));
       for (int i = 0; i < np; ++i)
         K::ukernel(mr, kb, blk.v + d, 1, blk.v_rs, t[i].st, NR, t[i].acc + d * NR, NR, t[i].nr, true);
     }
@@ -427,7 +466,9 @@ struct Attention {
 
   // First query of panel i and last query of panel i of a group starting at q0.
   index_t first_q(index_t q0, int i) const { return q0 + index_t(i) * NR; }
-  index_t last_q(index_t q0, int i) const { return min_of<index_t>(a.Lq, q0 + index_t(i + 1) * NR) - 1; }
+  index_t last_q(const Problem& p, index_t q0, int i) const {
+    return min_of<index_t>(p.Lq, q0 + index_t(i + 1) * NR) - 1;
+  }
 
   // Queries [q0, q0 + np*NR) of problem p: np panels of NR queries share each K/V block. The
   // keys [kbeg, kend) that any of them sees are visited in blocks; the panels that see part of
@@ -436,16 +477,16 @@ struct Attention {
   // so that it computes no row of keys it cannot see.
   template <bool CAP, bool ALIBI>
   void query_group(const Problem& p, index_t q0, int np, Tile* t, const Convert& cv) const {
-    np = int(min_of<index_t>(np, ceil_div(a.Lq - q0, NR)));
-    const index_t kbeg = lo(p, q0), kend = hi(p, last_q(q0, np - 1));
+    if (q0 >= p.Lq) return;  // a shorter sequence of a varlen batch: no such queries
+    np = int(min_of<index_t>(np, ceil_div(p.Lq - q0, NR)));
+    const index_t kbeg = lo(p, q0), kend = hi(p, last_q(p, q0, np - 1));
     // The task's Q rows and first K block are asked for together before the Q^T packing starts
     // on them: on short sequences these first touches were a sixth of the time.
-    const index_t nq = min_of<index_t>(a.Lq - q0, index_t(np) * NR);
+    const index_t nq = min_of<index_t>(p.Lq - q0, index_t(np) * NR);
     prefetch_rows_l2(query + a.qoff[p.bh] + q0 * a.q_rs, a.q_rs, nq, a.E);
-    if (kend > kbeg)
-      prefetch_rows_l2(key + a.koff[p.bh] + kbeg * a.k_rs, a.k_rs, min_of<index_t>(BK, kend - kbeg), a.E);
+    if (kend > kbeg) prefetch_keys(p, kbeg, min_of<index_t>(BK, kend - kbeg));
     for (int i = 0; i < np; ++i) {
-      const index_t qp = first_q(q0, i), qc = min_of<index_t>(NR, a.Lq - qp);
+      const index_t qp = first_q(q0, i), qc = min_of<index_t>(NR, p.Lq - qp);
       pack_qt(query + a.qoff[p.bh] + qp * a.q_rs, qc, t[i].qt);
       // A short panel: the kernels skip its unused vectors, so give those columns of st a
       // finite filler once (the column statistics run over all NR columns).
@@ -457,15 +498,15 @@ struct Attention {
     }
     int p0 = 0;
     for (index_t k0 = kbeg, kb = 0; k0 < kend; k0 += kb) {
-      while (p0 < np - 1 && hi(p, last_q(q0, p0)) <= k0) ++p0;
+      while (p0 < np - 1 && hi(p, last_q(p, q0, p0)) <= k0) ++p0;
       kb = min_of<index_t>(BK, kend - k0);
-      if (p0 < np - 1) kb = min_of<index_t>(kb, max_of<index_t>(MR, hi(p, last_q(q0, p0)) - k0));
+      if (p0 < np - 1) kb = min_of<index_t>(kb, max_of<index_t>(MR, hi(p, last_q(p, q0, p0)) - k0));
       int p1 = p0 + 1;
       while (p1 < np && lo(p, first_q(q0, p1)) < k0 + kb) ++p1;
       const index_t qa = first_q(q0, p0);
       Tile* ta = t + p0;
       const int na = p1 - p0;
-      const bool plain = unmasked(p, qa, last_q(q0, p1 - 1), k0, kb);
+      const bool plain = unmasked(p, qa, last_q(p, q0, p1 - 1), k0, kb);
       const Block kblk = key_block(p, k0, kb, cv);
       if constexpr (ALIBI)
         for (int i = 0; i < na; ++i) anticipate_bias(p, qa + i * NR, k0, kb, ta[i]);
@@ -509,7 +550,7 @@ struct Attention {
   // out = acc / l (zeros where no key was visible), lse; the weights if asked.
   template <bool CAP, bool ALIBI>
   PYATTN_PHASE void finish_panel(const Problem& p, index_t q0, Tile& t, const Convert& cv) const {
-    const index_t qc = min_of<index_t>(NR, a.Lq - q0);
+    const index_t qc = min_of<index_t>(NR, p.Lq - q0);
     T* o = out + a.ooff[p.bh] + q0 * a.o_rs;
     for (int c = 0; c < NR; ++c) t.inv[c] = inv_of(with_sink(p, t.sub[c], t.l[c]));
     scale_acc(t, t.inv);
@@ -542,7 +583,7 @@ struct Attention {
     constexpr int NP = K::NP;
     const index_t ngroups = ceil_div(a.Lq, index_t(NP) * NR);
     const index_t ntasks = a.bh * ngroups;
-    const std::size_t panel = tile_elems(a.E, a.Ev), conv = kHalf ? std::size_t(BK) * std::size_t(a.E + a.Ev) : 0;
+    const std::size_t panel = tile_elems(a.E, a.Ev), conv = gathers() ? std::size_t(BK) * std::size_t(a.E + a.Ev) : 0;
     const double work = double(a.bh) * double(a.Lq) * double(a.Lk) * double(a.E + a.Ev);
     const int nt = int(min_of<index_t>(threads_for(work, a.nthreads), ntasks));
     struct Panels {
@@ -608,26 +649,29 @@ struct Attention {
       r.l[x] = T(0);
       for (index_t d = 0; d < Ev; ++d) r.acc[x * Ev + d] = T(0);
     }
-    const KV* kbase = key + a.koff[h0];
-    const KV* vbase = value + a.voff[h0];
+    const Problem pg = problem(h0);  // the group's K/V
+    T ks[DB];                        // int8: this block's key scales
     for (index_t k0 = j0; k0 < j1; k0 += DB) {
       const index_t kb = min_of<index_t>(DB, j1 - k0);
       // s[x, j] = q_x . k_j, key rows read in order (see kernels/x86_simd.h). Prefetched, one
       // row per key: this block's V (for pv_rows below), and K and V PFD blocks ahead, so that
       // neither stream starts cold at a block boundary.
       for (index_t j = 0; j < kb; ++j) {
-        const KV* kr = kbase + (k0 + j) * a.k_rs;
-        prefetch_rows_l2(vbase + (k0 + j) * a.v_rs, a.v_rs, 1, Ev);
-        if (k0 + PFD * DB + j < j1) {
-          prefetch_rows_l2(kr + PFD * DB * a.k_rs, a.k_rs, 1, E);
-          prefetch_rows_l2(vbase + (k0 + PFD * DB + j) * a.v_rs, a.v_rs, 1, Ev);
+        const index_t key_j = k0 + j;
+        prefetch_rows_l2(value_row(pg, key_j), a.v_rs, 1, Ev);
+        if (key_j + PFD * DB < j1) {
+          prefetch_rows_l2(key_row(pg, key_j + PFD * DB), a.k_rs, 1, E);
+          prefetch_rows_l2(value_row(pg, key_j + PFD * DB), a.v_rs, 1, Ev);
         }
-        K::dot_rows(r.q, E, r.R, kr, E, r.s + j, DB);
+        K::dot_rows(r.q, E, r.R, key_row(pg, key_j), E, r.s + j, DB);
+        if constexpr (kInt8) ks[j] = key_scale(pg, key_j);
       }
       for (index_t x = 0; x < r.R; ++x) {
         const Problem p = problem(h0 + x / Lq);
         const index_t qi = x % Lq;
         T* s = r.s + x * DB;
+        if constexpr (kInt8)  // q . (scale k) = scale (q . k)
+          for (index_t j = 0; j < kb; ++j) s[j] *= ks[j];
         mod_keys(p, qi, k0, kb, s);
         mask_row(p, qi, k0, kb, s, 1);
         T mx = r.m[x];
@@ -642,8 +686,18 @@ struct Attention {
           for (index_t d = 0; d < Ev; ++d) ax[d] *= alpha;
         }
       }
-      // acc_x += sum_j p[x, j] v_j, the accumulator chunk held in registers over the block
-      K::pv_rows(r.s, DB, r.R, kb, vbase + k0 * a.v_rs, a.v_rs, Ev, r.acc);
+      if constexpr (kInt8) {  // sum_j p_j (scale_j v_j): the value scales join P, once l is taken
+        for (index_t j = 0; j < kb; ++j) ks[j] = value_scale(pg, k0 + j);
+        for (index_t x = 0; x < r.R; ++x)
+          for (index_t j = 0; j < kb; ++j) r.s[x * DB + j] *= ks[j];
+      }
+      // acc_x += sum_j p[x, j] v_j, the accumulator chunk held in registers over each run of
+      // contiguous rows (the whole block unless a cache page ends inside it)
+      for (index_t j = 0; j < kb;) {
+        const index_t m = min_of<index_t>(kb - j, run(k0 + j));
+        K::pv_rows(r.s + j, DB, r.R, m, value_row(pg, k0 + j), a.v_rs, Ev, r.acc);
+        j += m;
+      }
     }
   }
 
@@ -736,7 +790,9 @@ struct Attention {
 
   // Decode when each K/V row would otherwise be read for a single query tile that is mostly
   // padding: few queries per head group, and no weights asked for.
-  static bool use_decode(const AttnArgs& args) { return !args.weights && args.Lq * args.group <= 16 && args.Lq <= 8; }
+  static bool use_decode(const AttnArgs& args) {
+    return !args.weights && !args.q_lens && args.Lq * args.group <= 16 && args.Lq <= 8;
+  }
 
   static void run(const AttnArgs& args) {
     if (args.bh == 0 || args.Lq == 0) return;

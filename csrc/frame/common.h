@@ -141,6 +141,7 @@ inline float to_float(f16_t h) {
   __builtin_memcpy(&f, &u, 4);
   return f;
 }
+inline float to_float(std::int8_t x) { return float(x); }
 template <class T>
 inline T to_float(T x) {
   return x;

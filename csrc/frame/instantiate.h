@@ -13,5 +13,5 @@ constexpr IsaTable make_table(const char* name) {
                   {&Gemm<KF>::run, &Gemm<KD>::run},
                   {&Softmax<KF>::run, &Softmax<KD>::run},
                   {&Attention<KF>::run, &Attention<KD>::run},
-                  {&Attention<KF, f16_t>::run, &Attention<KF, bf16_t>::run}};
+                  {&Attention<KF, f16_t>::run, &Attention<KF, bf16_t>::run, &Attention<KF, std::int8_t>::run}};
 }

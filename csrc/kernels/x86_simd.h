@@ -53,6 +53,8 @@ static inline typename Ops::V load_as(const S* p) {
     return Ops::load_f16(p);
   else if constexpr (std::is_same<S, bf16_t>::value)
     return Ops::load_bf16(p);
+  else if constexpr (std::is_same<S, std::int8_t>::value)
+    return Ops::load_i8(p);
   else
     return Ops::load(p);
 }
@@ -62,6 +64,8 @@ static inline typename Ops::V load_as_n(typename Ops::Mask m, int n, const S* p)
     return Ops::load_f16_n(m, n, p);
   else if constexpr (std::is_same<S, bf16_t>::value)
     return Ops::load_bf16_n(m, n, p);
+  else if constexpr (std::is_same<S, std::int8_t>::value)
+    return Ops::load_i8_n(m, n, p);
   else
     return Ops::maskload(m, p);
 }

@@ -93,6 +93,15 @@ struct OpsF32 {
     return _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
   }
   static V load_f16_n(Mask, int n, const f16_t* p) { return _mm256_cvtph_ps(load_half_n(n, p)); }
+  // int8 rows (a quantised cache; the caller applies the row's scale).
+  static V load_i8(const std::int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static V load_i8_n(Mask, int n, const std::int8_t* p) {
+    alignas(16) std::int8_t buf[16] = {};
+    __builtin_memcpy(buf, p, std::size_t(n < 8 ? n : 8));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(buf))));
+  }
   static V load_bf16_n(Mask, int n, const bf16_t* p) { return bf16_bits(load_half_n(n, p)); }
 };
 struct OpsF64 {

@@ -74,6 +74,13 @@ struct OpsF32 {
   static V bf16_bits(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
   static V load_bf16(const bf16_t* p) { return bf16_bits(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static V load_bf16_n(Mask m, int, const bf16_t* p) { return bf16_bits(_mm256_maskz_loadu_epi16(m, p)); }
+  // int8 rows (a quantised cache; the caller applies the row's scale).
+  static V load_i8(const std::int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static V load_i8_n(Mask m, int, const std::int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+  }
 };
 struct OpsF64 {
   using T = double;
