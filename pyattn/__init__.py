@@ -42,6 +42,7 @@ from ._api import (
     show_config,
     softmax,
 )
+from ._kvcache import KVCache, kvcache_attention, varlen_attention
 from ._merge import merge_attention_states
 from ._nn import (
     MultiHeadAttention,
@@ -60,6 +61,9 @@ except Exception:  # pragma: no cover - running from a source tree without metad
 __all__ = [
     "scaled_dot_product_attention",
     "merge_attention_states",
+    "kvcache_attention",
+    "KVCache",
+    "varlen_attention",
     "multi_head_attention",
     "MultiHeadAttention",
     "softmax",

@@ -124,7 +124,14 @@ def test_debug_build_refuses_a_softmax_row_past_the_end(rng):
 def _core_calls():
     """(function name, [(line's positional args, line's comment names)]) for every _core call in
     _api.py: the hot paths call positionally, each line commented with the names it passes."""
-    path = os.path.join(os.path.dirname(pyattn.__file__), "_api.py")
+    calls = []
+    for module in ("_api.py", "_kvcache.py"):
+        calls += _core_calls_in(module)
+    return calls
+
+
+def _core_calls_in(module):
+    path = os.path.join(os.path.dirname(pyattn.__file__), module)
     src = open(path).read()
     lines = src.splitlines()
     calls = []

@@ -1,0 +1,545 @@
+"""KV caches and packed batches: kvcache_attention, KVCache, varlen_attention.
+
+The caches are plain NumPy arrays that the C++ core reads where they lie: a contiguous cache
+``(B, Hkv, Lmax, E)``, or a paged one ``(num_blocks, Hkv, block_size, E)`` with a block table
+``(B, max_blocks)`` (vLLM's CPU layout). New tokens are written into them in place; nothing is
+ever concatenated or gathered into a copy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _core
+from ._validate import (
+    F32,
+    F64,
+    float_array,
+    per_head,
+    softcap_value,
+    unit_last,
+    window_sides,
+)
+
+_CACHE_KV_TYPES = {"float16": 1, "bfloat16": 2, "int8": 3}
+
+
+def _int_vector(x, name: str, n: int) -> np.ndarray:
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array; got dtype {a.dtype}")
+    if a.shape != (n,):
+        raise ValueError(f"{name} has shape {a.shape}; expected ({n},)")
+    if n and a.min() < 0:
+        raise ValueError(f"{name} must be >= 0; got {a.min()}")
+    return a.astype(np.int64)
+
+
+def _quantize(x: np.ndarray):
+    """int8 values and float32 scales of x (..., D): symmetric absmax per row, x ~ q * scale."""
+    x = np.asarray(x, np.float32)
+    amax = np.max(np.abs(x), axis=-1) if x.shape[-1] else np.zeros(x.shape[:-1], np.float32)
+    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(x / scale[..., None]), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def _elem(a: np.ndarray, axis: int) -> int:
+    return a.strides[axis] // a.itemsize
+
+
+class _Layout:
+    """Where each (batch, kv head) row of a cache lies: element offsets and strides for the core."""
+
+    def __init__(self, cache: np.ndarray, block_table, batch: int, name: str):
+        self.paged = block_table is not None
+        if cache.ndim == 3:  # int8 scales: laid out like a cache without its feature axis
+            cache = cache.reshape(cache.shape + (1,))
+        if cache.ndim != 4:
+            raise ValueError(
+                f"{name} must be 4-D ((B, Hkv, Lmax, D) or (num_blocks, Hkv, block_size, D)); got {cache.shape}"
+            )
+        if cache.shape[-1] > 1 and cache.strides[-1] != cache.itemsize:
+            raise ValueError(f"{name}: its last axis must be contiguous (written in place, never copied)")
+        if any(s % cache.itemsize for s in cache.strides):
+            raise ValueError(f"{name}: strides must be whole elements")
+        self.rs = _elem(cache, 2)  # between the tokens of one (block or sequence, head)
+        self.hs = _elem(cache, 1)
+        self.bs = _elem(cache, 0)  # between sequences (contiguous) or blocks (paged)
+        if self.paged:
+            self.block_size = cache.shape[2]
+            self.capacity = block_table.shape[1] * self.block_size
+        else:
+            if cache.shape[0] != batch:
+                raise ValueError(f"{name} has {cache.shape[0]} sequences (shape {cache.shape}); expected B = {batch}")
+            self.block_size = 0
+            self.capacity = cache.shape[2]
+
+    def offsets(self, batch: int, heads: int, group: int) -> np.ndarray:
+        """Element offset of (sequence b, kv head h // group) for every query problem (b, h)."""
+        b = np.arange(batch, dtype=np.int64)[:, None]
+        h = np.arange(heads, dtype=np.int64)[None, :] // group
+        off = h * self.hs + (0 if self.paged else b * self.bs)
+        return np.ascontiguousarray(np.broadcast_to(off, (batch, heads)).reshape(-1))
+
+
+def _write(cache, scale, table, layout: _Layout, lens, new, counts):
+    """cache[b, :, lens[b] + j] = new[b, :, j] for j < counts[b] (paged: through the table);
+    an int8 cache gets the quantised values and their scales."""
+    B, _, Lq, _ = new.shape
+    bsel, jsel = np.nonzero(np.arange(Lq)[None, :] < counts[:, None])
+    if bsel.size == 0:
+        return
+    pos = lens[bsel] + jsel
+    rows = new[bsel, :, jsel]  # (n, Hkv, D)
+    if layout.paged:
+        blk, at = table[bsel, pos // layout.block_size], pos % layout.block_size
+    else:
+        blk, at = bsel, pos
+    if scale is not None:
+        q, s = _quantize(rows)
+        cache[blk, :, at] = q
+        scale[blk, :, at] = s
+    else:
+        cache[blk, :, at] = rows
+
+
+def _check_written(cache, name):
+    if not cache.flags.writeable:
+        raise ValueError(f"{name} is read-only; new tokens are written into it in place")
+
+
+def _cache_attention(
+    query,
+    k_cache,
+    v_cache,
+    cache_lens,
+    *,
+    k_new,
+    v_new,
+    new_lens,
+    block_table,
+    k_scale,
+    v_scale,
+    scale,
+    is_causal,
+    window,
+    softcap,
+    alibi_slopes,
+    sinks,
+    return_lse,
+    out,
+):
+    q = float_array(query, "query")
+    if q.ndim != 4:
+        raise ValueError(f"query must be (B, Hq, Lq, E); got shape {q.shape}")
+    B, Hq, Lq, E = q.shape
+    for c, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        if not isinstance(c, np.ndarray):
+            raise TypeError(f"{name} must be a numpy.ndarray (written in place); got {type(c).__name__}")
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"k_cache and v_cache must share a dtype; got {k_cache.dtype} and {v_cache.dtype}")
+    cdt = k_cache.dtype
+    if cdt.name not in ("float32", "float64", "float16", "bfloat16", "int8"):
+        raise TypeError(f"k_cache must be float32, float64, float16, bfloat16 or int8; got {cdt}")
+    dtype = F64 if (cdt == F64 and q.dtype == F64) else F32
+    kv_type = _CACHE_KV_TYPES.get(cdt.name, 0)
+    if cdt == F64 and dtype == F32:
+        raise TypeError("a float64 cache needs a float64 query (float32 queries read float32/half/int8 caches)")
+
+    table = None
+    if block_table is not None:
+        t = np.asarray(block_table)
+        if t.dtype.kind not in "iu":
+            raise TypeError(f"block_table must be an integer array; got dtype {t.dtype}")
+        if t.ndim != 2 or t.shape[0] != B:
+            raise ValueError(f"block_table has shape {t.shape}; expected (B = {B}, max_blocks)")
+        table = np.ascontiguousarray(t, dtype=np.int32)
+    kl = _Layout(k_cache, table, B, "k_cache")
+    vl = _Layout(v_cache, table, B, "v_cache")
+    Hkv, Ek, Ev = k_cache.shape[1], k_cache.shape[3], v_cache.shape[3]
+    if Ek != E:
+        raise ValueError(f"k_cache has head size {Ek} (shape {k_cache.shape}); expected E = {E} from query {q.shape}")
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"v_cache has shape {v_cache.shape}; expected {k_cache.shape[:3]} + (Ev,) like k_cache")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of the cache's kv heads ({Hkv})")
+    group = Hq // Hkv
+    lens = _int_vector(cache_lens, "cache_lens", B)
+
+    if kv_type == 3:
+        for s, c, name in ((k_scale, k_cache, "k_scale"), (v_scale, v_cache, "v_scale")):
+            if not isinstance(s, np.ndarray) or s.dtype != F32 or s.shape != c.shape[:3]:
+                raise ValueError(f"{name} must be a float32 array of shape {c.shape[:3]} for an int8 cache")
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError("k_scale / v_scale are only for an int8 cache")
+
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new go together: give both or neither")
+    if k_new is not None:
+        kn, vn = float_array(k_new, "k_new"), float_array(v_new, "v_new")
+        if kn.shape != (B, Hkv, Lq, E) or vn.shape != (B, Hkv, Lq, Ev):
+            raise ValueError(
+                f"k_new / v_new have shapes {kn.shape} / {vn.shape}; expected {(B, Hkv, Lq, E)} / {(B, Hkv, Lq, Ev)}"
+            )
+        counts = np.full(B, Lq, np.int64) if new_lens is None else _int_vector(new_lens, "new_lens", B)
+        if B and counts.max(initial=0) > Lq:
+            raise ValueError(f"new_lens must be <= Lq = {Lq}; got {counts.max()}")
+        keys = lens + counts
+    else:
+        if new_lens is not None:
+            raise ValueError("new_lens needs k_new / v_new")
+        counts = None
+        keys = lens
+    if B and keys.max(initial=0) > kl.capacity:
+        b = int(np.argmax(keys))
+        raise ValueError(
+            f"cache overflow: sequence {b} would hold {keys[b]} tokens; the cache holds {kl.capacity} per sequence"
+        )
+    if table is not None and B:
+        need = (keys + kl.block_size - 1) // kl.block_size
+        used = np.arange(table.shape[1])[None, :] < need[:, None]
+        ids = table[used]
+        if ids.size and (ids.min() < 0 or ids.max() >= k_cache.shape[0]):
+            raise ValueError(f"block_table names a block outside [0, {k_cache.shape[0]}) for the tokens it must hold")
+    win_left, win_right = window_sides(window)
+    cap = softcap_value(softcap)
+    lead = (B, Hq)
+    slopes = per_head(alibi_slopes, "alibi_slopes", lead, dtype)
+    sink = per_head(sinks, "sinks", lead, dtype)
+    if out is not None:
+        from ._validate import check_out
+
+        check_out(out, (B, Hq, Lq, Ev), dtype)
+    if scale is None:
+        scale = 1.0 / math.sqrt(E) if E > 0 else 1.0
+
+    # Every check is done: only now is anything written.
+    if counts is not None:
+        _check_written(k_cache, "k_cache")
+        _check_written(v_cache, "v_cache")
+        _write(k_cache, k_scale if kv_type == 3 else None, table, kl, lens, kn, counts)
+        _write(v_cache, v_scale if kv_type == 3 else None, table, vl, lens, vn, counts)
+
+    ragged = counts is not None and new_lens is not None
+    result = np.zeros((B, Hq, Lq, Ev), dtype) if (ragged or out is None) else None
+    target = out if result is None else result
+    if target.strides[-1] != target.itemsize or any(s % target.itemsize for s in target.strides):
+        target = np.zeros((B, Hq, Lq, Ev), dtype)
+    lse = np.full((B, Hq, Lq), -np.inf, dtype) if return_lse else None
+    bh = B * Hq
+    if bh and Lq:
+        qb = unit_last(np.asarray(q, dtype))
+        per = lambda v: np.ascontiguousarray(np.repeat(v, Hq)) if v is not None else None  # noqa: E731
+        kv_lens = per(keys)
+        q_lens = per(counts) if ragged else None
+        Lk = int(keys.max(initial=0))
+        qs, os_ = (_elem(qb, 0), _elem(qb, 1)), (_elem(target, 0), _elem(target, 1))
+        qoff = (np.arange(B)[:, None] * qs[0] + np.arange(Hq)[None, :] * qs[1]).astype(np.int64).reshape(-1)
+        ooff = (np.arange(B)[:, None] * os_[0] + np.arange(Hq)[None, :] * os_[1]).astype(np.int64).reshape(-1)
+        koff, voff = kl.offsets(B, Hq, group), vl.offsets(B, Hq, group)
+        lseoff = (np.arange(bh, dtype=np.int64) * Lq) if lse is not None else None
+        bt_off = np.repeat(np.arange(B, dtype=np.int64) * (table.shape[1] if table is not None else 0), Hq)
+        if kv_type == 3:  # the scales are laid out like the cache without its last axis
+            ksl = _Layout(k_scale, table, B, "k_scale")
+            vsl = _Layout(v_scale, table, B, "v_scale")
+            ksoff, ks = ksl.offsets(B, Hq, group), (ksl.rs, ksl.bs)
+            vsoff, vs = vsl.offsets(B, Hq, group), (vsl.rs, vsl.bs)
+        else:
+            ksoff = vsoff = None
+            ks = vs = (0, 0)
+        _core.attention(  # positional, in _core.pyi's order (see _api.scaled_dot_product_attention)
+            qb, k_cache, v_cache, target,  # q, k, v, out
+            bh, Lq, Lk, E, Ev, group,  # bh, Lq, Lk, E, Ev, group
+            qoff, _elem(qb, 2),  # qoff, q_rs
+            koff, kl.rs,  # koff, k_rs
+            voff, vl.rs,  # voff, v_rs
+            ooff, _elem(target, 2),  # ooff, o_rs
+            0, None, None,  # mask_kind, mask, moff
+            0, 0,  # m_rs, m_cs
+            lse, lseoff, 1,  # lse, lseoff, lse_s
+            None, None, 0,  # weights, woff, w_rs
+            float(scale), bool(is_causal), True,  # scale, causal, bottom_right
+            cap, slopes, sink, win_left, win_right,  # softcap, alibi, sinks, win_left, win_right
+            kv_lens, kv_type,  # kv_lens, kv_type
+            q_lens, table, bt_off if table is not None else None,  # q_lens, block_table, bt_off
+            kl.block_size, kl.bs, vl.bs,  # block_size, k_ps, v_ps
+            k_scale if kv_type == 3 else None, ksoff, ks[0], ks[1],  # k_scale, ksoff, ks_rs, ks_ps
+            v_scale if kv_type == 3 else None, vsoff, vs[0], vs[1],  # v_scale, vsoff, vs_rs, vs_ps
+        )  # fmt: skip
+    if out is not None and target is not out:
+        out[...] = target
+        target = out
+    return (target, lse) if return_lse else target
+
+
+def kvcache_attention(
+    query,
+    k_cache,
+    v_cache,
+    cache_lens,
+    *,
+    k_new=None,
+    v_new=None,
+    block_table=None,
+    k_scale=None,
+    v_scale=None,
+    scale=None,
+    is_causal=True,
+    window=None,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    return_lse=False,
+    out=None,
+):
+    """One decoder layer's attention against its KV cache (``flash_attn_with_kvcache``).
+
+    query ``(B, Hq, Lq, E)``; ``cache_lens`` ``(B,)`` tokens already in each sequence's cache.
+    ``k_new`` / ``v_new`` ``(B, Hkv, Lq, E|Ev)`` are written into the cache **in place** at
+    positions ``cache_lens[b] .. + Lq - 1`` (the caller advances ``cache_lens``), then the query
+    attends the ``cache_lens[b] + Lq`` keys, causal aligned bottom-right. Without them nothing is
+    written and the query attends the ``cache_lens[b]`` keys there.
+
+    Caches: contiguous ``(B, Hkv, Lmax, E)`` / ``(B, Hkv, Lmax, Ev)``, or paged ``(num_blocks,
+    Hkv, block_size, E)`` with ``block_table`` ``(B, max_blocks)`` naming each sequence's blocks
+    in order; read where they lie. float32, float16, bfloat16, or int8 with ``k_scale`` /
+    ``v_scale`` float32 of the cache's shape without its last axis (x = q * scale; writing
+    quantises each new token and head by its absolute maximum). float64 caches with a float64
+    query compute in float64. Every check (overflow past the capacity, a block outside the cache,
+    a dtype or shape mismatch, negative lengths) raises before anything is written.
+
+    The score variants (window, softcap, alibi_slopes, sinks) are those of
+    scaled_dot_product_attention. Returns ``(B, Hq, Lq, Ev)`` (and the lse ``(B, Hq, Lq)``).
+    """
+    return _cache_attention(
+        query, k_cache, v_cache, cache_lens, k_new=k_new, v_new=v_new, new_lens=None, block_table=block_table,
+        k_scale=k_scale, v_scale=v_scale, scale=scale, is_causal=is_causal, window=window, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse, out=out,
+    )  # fmt: skip
+
+
+class KVCache:
+    """One layer's KV cache for a batch of sequences of different lengths.
+
+    Contiguous (``max_len`` tokens per sequence, allocated up front) or paged (``block_size``
+    tokens per block, blocks allocated as sequences grow and reused once freed by ``reset``; with
+    ``max_len`` the pool is sized for it up front, otherwise it doubles when it runs out, which
+    copies the pool: amortised O(1) per token). Any cache dtype of ``kvcache_attention``.
+    """
+
+    def __init__(
+        self, batch, num_kv_heads, head_dim, *, v_head_dim=None, max_len=None, block_size=None, dtype=np.float32
+    ):
+        from ._validate import positive_int
+
+        self.batch = positive_int(batch, "batch")
+        self.num_kv_heads = positive_int(num_kv_heads, "num_kv_heads")
+        self.head_dim = positive_int(head_dim, "head_dim")
+        self.v_head_dim = self.head_dim if v_head_dim is None else positive_int(v_head_dim, "v_head_dim")
+        self.dtype = np.dtype(dtype)
+        if self.dtype.name not in ("float32", "float64", "float16", "bfloat16", "int8"):
+            raise TypeError(f"dtype must be float32, float64, float16, bfloat16 or int8; got {self.dtype}")
+        if max_len is None and block_size is None:
+            raise ValueError("give max_len (a contiguous cache) or block_size (a paged one)")
+        self.max_len = None if max_len is None else positive_int(max_len, "max_len")
+        self.block_size = None if block_size is None else positive_int(block_size, "block_size")
+        self._lens = np.zeros(self.batch, np.int64)
+        H, D, Dv = self.num_kv_heads, self.head_dim, self.v_head_dim
+        if self.block_size is None:
+            self._alloc(self.batch, self.max_len)
+            self.block_table = None
+        else:
+            per_seq = -(-self.max_len // self.block_size) if self.max_len else 4
+            self._alloc(self.batch * per_seq, self.block_size)
+            self.block_table = np.full((self.batch, per_seq), -1, np.int32)
+            self._free = list(range(self.batch * per_seq - 1, -1, -1))
+        del H, D, Dv
+
+    def _alloc(self, n: int, length: int):
+        H, D, Dv = self.num_kv_heads, self.head_dim, self.v_head_dim
+        self.k = np.zeros((n, H, length, D), self.dtype)
+        self.v = np.zeros((n, H, length, Dv), self.dtype)
+        int8 = self.dtype.name == "int8"
+        self.k_scale = np.zeros((n, H, length), np.float32) if int8 else None
+        self.v_scale = np.zeros((n, H, length), np.float32) if int8 else None
+
+    @property
+    def lens(self) -> np.ndarray:
+        """Tokens held per sequence (a copy)."""
+        return self._lens.copy()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cache's arrays (K, V, int8 scales, block table)."""
+        parts = [self.k, self.v, self.k_scale, self.v_scale, self.block_table]
+        return int(sum(p.nbytes for p in parts if p is not None))
+
+    def reset(self, rows=None):
+        """Empty the given sequences (all when None); a paged cache frees their blocks for reuse."""
+        idx = np.arange(self.batch) if rows is None else np.atleast_1d(np.asarray(rows))
+        if idx.dtype.kind not in "iu" or (idx.size and (idx.min() < -self.batch or idx.max() >= self.batch)):
+            raise ValueError(f"rows must be sequence indices in [0, {self.batch}); got {rows!r}")
+        if self.block_table is not None:
+            for r in np.unique(idx % self.batch):
+                held = self.block_table[r][self.block_table[r] >= 0]
+                self._free.extend(int(b) for b in held[::-1])
+                self.block_table[r] = -1
+        self._lens[idx] = 0
+
+    def _reserve(self, needed: np.ndarray):
+        """Blocks for `needed` tokens per sequence (paged): from the free list, growing the pool."""
+        bs = self.block_size
+        want = -(-needed // bs)
+        if want.max(initial=0) > self.block_table.shape[1]:
+            if self.max_len is not None:
+                raise ValueError(
+                    f"cache overflow: a sequence would hold {needed.max()} tokens; max_len is {self.max_len}"
+                )
+            grown = np.full((self.batch, max(int(want.max()), 2 * self.block_table.shape[1])), -1, np.int32)
+            grown[:, : self.block_table.shape[1]] = self.block_table
+            self.block_table = grown
+        have = (self.block_table >= 0).sum(axis=1)
+        missing = int(np.maximum(want - have, 0).sum())
+        if missing > len(self._free):
+            old = self.k.shape[0]
+            new = max(2 * old, old + missing)
+            k, v, ks, vs = self.k, self.v, self.k_scale, self.v_scale
+            self._alloc(new, bs)
+            self.k[:old], self.v[:old] = k, v
+            if ks is not None:
+                self.k_scale[:old], self.v_scale[:old] = ks, vs
+            self._free.extend(range(new - 1, old - 1, -1))
+        for r in range(self.batch):
+            for j in range(have[r], want[r]):
+                self.block_table[r, j] = self._free.pop()
+
+    def attend(self, query, k_new, v_new, *, new_lens=None, **variants):
+        """Append ``k_new`` / ``v_new`` ``(B, Hkv, Lq, D)`` after each sequence's tokens, attend
+        (bottom-right causal over everything held), and advance ``lens``. With ``new_lens`` (B,)
+        sequence b appends only its first ``new_lens[b]`` tokens (a ragged prefill in one padded
+        call): its query rows past them are padding and come back as zeros. ``variants``: scale,
+        is_causal, window, softcap, alibi_slopes, sinks, return_lse, out."""
+        Lq = np.shape(query)[-2] if np.ndim(query) == 4 else 0
+        counts = (
+            np.full(self.batch, Lq, np.int64) if new_lens is None else _int_vector(new_lens, "new_lens", self.batch)
+        )
+        if counts.max(initial=0) > Lq:
+            raise ValueError(f"new_lens must be <= Lq = {Lq}; got {counts.max()}")
+        needed = self._lens + counts
+        if self.block_table is not None:
+            self._reserve(needed)
+        elif needed.max(initial=0) > self.max_len:
+            raise ValueError(f"cache overflow: a sequence would hold {needed.max()} tokens; max_len is {self.max_len}")
+        res = _cache_attention(
+            query, self.k, self.v, self._lens, k_new=k_new, v_new=v_new, new_lens=new_lens,
+            block_table=self.block_table, k_scale=self.k_scale, v_scale=self.v_scale,
+            scale=variants.pop("scale", None), is_causal=variants.pop("is_causal", True),
+            window=variants.pop("window", None), softcap=variants.pop("softcap", None),
+            alibi_slopes=variants.pop("alibi_slopes", None), sinks=variants.pop("sinks", None),
+            return_lse=variants.pop("return_lse", False), out=variants.pop("out", None),
+        )  # fmt: skip
+        if variants:
+            raise TypeError(f"attend() got unexpected keywords {sorted(variants)}")
+        self._lens = needed
+        return res
+
+    def __repr__(self):
+        kind = f"paged block_size={self.block_size}" if self.block_size else f"max_len={self.max_len}"
+        return (
+            f"KVCache(batch={self.batch}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, {kind}, "
+            f"dtype={self.dtype}, lens={self._lens.tolist()})"
+        )
+
+
+def varlen_attention(
+    query,
+    key,
+    value,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    is_causal=False,
+    scale=None,
+    window=None,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    return_lse=False,
+    out=None,
+):
+    """Attention over a batch of sequences of different lengths packed without padding
+    (``flash_attn_varlen_func``): query ``(total_q, Hq, E)``, key/value ``(total_k, Hkv, E|Ev)``,
+    ``cu_seqlens_*`` ``(B + 1,)`` cumulative lengths from 0. Causal (and window, ALiBi) aligned
+    bottom-right per sequence. The work is split over sequences and query blocks together, so a
+    long sequence among short ones keeps every core busy. Returns ``(total_q, Hq, Ev)`` (and the
+    lse ``(total_q, Hq)``)."""
+    q, k, v = float_array(query, "query"), float_array(key, "key"), float_array(value, "value")
+    for a, name in ((q, "query"), (k, "key"), (v, "value")):
+        if a.ndim != 3:
+            raise ValueError(f"{name} must be (total, heads, features); got shape {a.shape}")
+    from ._validate import compute_dtype
+
+    dtype = compute_dtype(q, k, v)
+    Tq, Hq, E = q.shape
+    Tk, Hkv, Ek = k.shape
+    Ev = v.shape[2]
+    if Ek != E or v.shape[:2] != (Tk, Hkv):
+        raise ValueError(f"key {k.shape} / value {v.shape} do not fit query {q.shape}: expected (total_k, Hkv, E|Ev)")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    cq, ck = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
+    for c, name, total in ((cq, "cu_seqlens_q", Tq), (ck, "cu_seqlens_k", Tk)):
+        if c.dtype.kind not in "iu" or c.ndim != 1 or c.size < 1:
+            raise ValueError(f"{name} must be a 1-D integer array (B + 1,); got {c.dtype} {c.shape}")
+        if c[0] != 0 or np.any(np.diff(c) < 0) or c[-1] != total:
+            raise ValueError(f"{name} must start at 0, never decrease and end at {total}; got {c.tolist()}")
+    if cq.size != ck.size:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length; got {cq.size} and {ck.size}")
+    B, group = cq.size - 1, Hq // Hkv
+    win_left, win_right = window_sides(window)
+    cap = softcap_value(softcap)
+    slopes = per_head(alibi_slopes, "alibi_slopes", (Hq,), dtype)
+    sink = per_head(sinks, "sinks", (Hq,), dtype)
+    if out is not None:
+        from ._validate import check_out
+
+        check_out(out, (Tq, Hq, Ev), dtype)
+    if scale is None:
+        scale = 1.0 / math.sqrt(E) if E > 0 else 1.0
+    result = np.zeros((Tq, Hq, Ev), dtype)
+    lse = np.full((Tq, Hq), -np.inf, dtype) if return_lse else None
+    bh = B * Hq
+    if bh and Tq:
+        qb = unit_last(np.asarray(q, dtype))
+        kb, vb = unit_last(np.asarray(k, dtype)), unit_last(np.asarray(v, dtype))
+        ql, kl = np.diff(cq).astype(np.int64), np.diff(ck).astype(np.int64)
+        hq = np.arange(Hq, dtype=np.int64)
+
+        def offs(a, starts, heads):  # element offset of (sequence b, head) rows
+            return (starts[:, None] * _elem(a, 0) + heads[None, :] * _elem(a, 1)).astype(np.int64).reshape(-1)
+
+        tile = lambda x: np.ascontiguousarray(np.tile(x, B)) if x is not None else None  # noqa: E731
+        _core.attention(  # positional, in _core.pyi's order (see _api.scaled_dot_product_attention)
+            qb, kb, vb, result,  # q, k, v, out
+            bh, int(ql.max()), int(kl.max()), E, Ev, group,  # bh, Lq, Lk, E, Ev, group
+            offs(qb, cq[:-1], hq), _elem(qb, 0),  # qoff, q_rs
+            offs(kb, ck[:-1], hq // group), _elem(kb, 0),  # koff, k_rs
+            offs(vb, ck[:-1], hq // group), _elem(vb, 0),  # voff, v_rs
+            offs(result, cq[:-1], hq), _elem(result, 0),  # ooff, o_rs
+            0, None, None,  # mask_kind, mask, moff
+            0, 0,  # m_rs, m_cs
+            lse, offs(lse[..., None], cq[:-1], hq) if lse is not None else None, Hq,  # lse, lseoff, lse_s
+            None, None, 0,  # weights, woff, w_rs
+            float(scale), bool(is_causal), True,  # scale, causal, bottom_right
+            cap, tile(slopes), tile(sink), win_left, win_right,  # softcap, alibi, sinks, win_left, win_right
+            np.repeat(kl, Hq), 0,  # kv_lens, kv_type
+            np.repeat(ql, Hq), None, None, 0, 0, 0,  # q_lens, block_table, bt_off, block_size, k_ps, v_ps
+            None, None, 0, 0, None, None, 0, 0,  # k_scale, ksoff, ks_rs, ks_ps, v_scale, vsoff, vs_rs, vs_ps
+        )  # fmt: skip
+    if out is not None:
+        out[...] = result
+        result = out
+    return (result, lse) if return_lse else result
