@@ -33,6 +33,82 @@ def merge_attention_states(
     *,
     out: Optional[NDArray[Any]] = ...,
 ) -> Tuple[NDArray[np.floating], NDArray[np.floating]]: ...
+def kvcache_attention(
+    query: ArrayLike,
+    k_cache: NDArray[Any],
+    v_cache: NDArray[Any],
+    cache_lens: ArrayLike,
+    *,
+    k_new: Optional[ArrayLike] = ...,
+    v_new: Optional[ArrayLike] = ...,
+    block_table: Optional[ArrayLike] = ...,
+    k_scale: Optional[NDArray[np.float32]] = ...,
+    v_scale: Optional[NDArray[np.float32]] = ...,
+    scale: Optional[float] = ...,
+    is_causal: bool = ...,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = ...,
+    softcap: Optional[float] = ...,
+    alibi_slopes: Optional[ArrayLike] = ...,
+    sinks: Optional[ArrayLike] = ...,
+    return_lse: bool = ...,
+    out: Optional[NDArray[Any]] = ...,
+) -> Union[NDArray[np.floating], Tuple[NDArray[np.floating], NDArray[np.floating]]]: ...
+
+class KVCache:
+    batch: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    max_len: Optional[int]
+    block_size: Optional[int]
+    dtype: np.dtype
+    k: NDArray[Any]
+    v: NDArray[Any]
+    k_scale: Optional[NDArray[np.float32]]
+    v_scale: Optional[NDArray[np.float32]]
+    block_table: Optional[NDArray[np.int32]]
+    def __init__(
+        self,
+        batch: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        v_head_dim: Optional[int] = ...,
+        max_len: Optional[int] = ...,
+        block_size: Optional[int] = ...,
+        dtype: Any = ...,
+    ) -> None: ...
+    @property
+    def lens(self) -> NDArray[np.int64]: ...
+    @property
+    def nbytes(self) -> int: ...
+    def reset(self, rows: Optional[ArrayLike] = ...) -> None: ...
+    def attend(
+        self,
+        query: ArrayLike,
+        k_new: ArrayLike,
+        v_new: ArrayLike,
+        *,
+        new_lens: Optional[ArrayLike] = ...,
+        **variants: Any,
+    ) -> Any: ...
+
+def varlen_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    *,
+    is_causal: bool = ...,
+    scale: Optional[float] = ...,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = ...,
+    softcap: Optional[float] = ...,
+    alibi_slopes: Optional[ArrayLike] = ...,
+    sinks: Optional[ArrayLike] = ...,
+    return_lse: bool = ...,
+    out: Optional[NDArray[Any]] = ...,
+) -> Union[NDArray[np.floating], Tuple[NDArray[np.floating], NDArray[np.floating]]]: ...
 def multi_head_attention(
     query: ArrayLike,
     key: ArrayLike,
