@@ -612,7 +612,7 @@ struct Attention {
   static constexpr index_t DB = 64;  // keys per decode block
   // Prefetch distance in blocks: K and V rows this far ahead are asked for one per key. With
   // none, one core streamed at ~70% of its rate for a plain sum; 1 and 2 measured the same.
-  static constexpr index_t PFD = 1;
+  static constexpr index_t PFD = 2;
 
   // Rows of a decode task: all Lq queries of the `group` heads that share one K/V.
   struct Rows {
@@ -651,20 +651,32 @@ struct Attention {
     }
     const Problem pg = problem(h0);  // the group's K/V
     T ks[DB];                        // int8: this block's key scales
-    for (index_t k0 = j0; k0 < j1; k0 += DB) {
-      const index_t kb = min_of<index_t>(DB, j1 - k0);
+    // Where this block's keys (cur) and those PFD blocks ahead (nxt) lie: row j is row
+    // slot[j] of page page[j] (page 0, slot = key for a contiguous cache), stepped through the
+    // pages once per block rather than divided out per row.
+    Slots ring[PFD + 1];  // block i's slots at ring[i % (PFD + 1)]
+    for (index_t i = 0; i < PFD && j0 + i * DB < j1; ++i)
+      slots(pg, j0 + i * DB, min_of<index_t>(DB, j1 - j0 - i * DB), ring[i]);
+    const KV* kb0 = key + a.koff[pg.bh];
+    const KV* vb0 = value + a.voff[pg.bh];
+    auto krow = [&](const Slots& s, index_t j) { return kb0 + s.page[j] * a.k_ps + s.slot[j] * a.k_rs; };
+    auto vrow = [&](const Slots& s, index_t j) { return vb0 + s.page[j] * a.v_ps + s.slot[j] * a.v_rs; };
+    for (index_t k0 = j0, blk = 0; k0 < j1; k0 += DB, ++blk) {
+      const index_t kb = min_of<index_t>(DB, j1 - k0), k1 = k0 + PFD * DB, nb = min_of<index_t>(DB, j1 - k1);
+      Slots* cur = &ring[blk % (PFD + 1)];
+      Slots* nxt = &ring[(blk + PFD) % (PFD + 1)];
+      if (nb > 0) slots(pg, k1, nb, *nxt);
       // s[x, j] = q_x . k_j, key rows read in order (see kernels/x86_simd.h). Prefetched, one
       // row per key: this block's V (for pv_rows below), and K and V PFD blocks ahead, so that
       // neither stream starts cold at a block boundary.
       for (index_t j = 0; j < kb; ++j) {
-        const index_t key_j = k0 + j;
-        prefetch_rows_l2(value_row(pg, key_j), a.v_rs, 1, Ev);
-        if (key_j + PFD * DB < j1) {
-          prefetch_rows_l2(key_row(pg, key_j + PFD * DB), a.k_rs, 1, E);
-          prefetch_rows_l2(value_row(pg, key_j + PFD * DB), a.v_rs, 1, Ev);
+        prefetch_rows_l2(vrow(*cur, j), a.v_rs, 1, Ev);
+        if (j < nb) {
+          prefetch_rows_l2(krow(*nxt, j), a.k_rs, 1, E);
+          prefetch_rows_l2(vrow(*nxt, j), a.v_rs, 1, Ev);
         }
-        K::dot_rows(r.q, E, r.R, key_row(pg, key_j), E, r.s + j, DB);
-        if constexpr (kInt8) ks[j] = key_scale(pg, key_j);
+        K::dot_rows(r.q, E, r.R, krow(*cur, j), E, r.s + j, DB);
+        if constexpr (kInt8) ks[j] = key_scale(pg, k0 + j);
       }
       for (index_t x = 0; x < r.R; ++x) {
         const Problem p = problem(h0 + x / Lq);
@@ -691,12 +703,35 @@ struct Attention {
         for (index_t x = 0; x < r.R; ++x)
           for (index_t j = 0; j < kb; ++j) r.s[x * DB + j] *= ks[j];
       }
-      // acc_x += sum_j p[x, j] v_j, the accumulator chunk held in registers over each run of
-      // contiguous rows (the whole block unless a cache page ends inside it)
-      for (index_t j = 0; j < kb;) {
-        const index_t m = min_of<index_t>(kb - j, run(k0 + j));
-        K::pv_rows(r.s + j, DB, r.R, m, value_row(pg, k0 + j), a.v_rs, Ev, r.acc);
-        j += m;
+      // acc_x += sum_j p[x, j] v_j, the accumulator chunk held in registers over the block's
+      // rows wherever they lie
+      const KV* vrows[DB];
+      for (index_t j = 0; j < kb; ++j) vrows[j] = vrow(*cur, j);
+      K::pv_rows(r.s, DB, r.R, kb, vrows, Ev, r.acc);
+    }
+  }
+
+  // Where keys [k0, k0+n) of problem p lie: page[j] (a block-table entry; 0 when contiguous) and
+  // slot[j] (the row within it; the key itself when contiguous).
+  struct Slots {
+    index_t page[DB], slot[DB];
+  };
+  void slots(const Problem& p, index_t k0, index_t n, Slots& s) const {
+    if (!a.block_table) {
+      for (index_t j = 0; j < n; ++j) {
+        s.page[j] = 0;
+        s.slot[j] = k0 + j;
+      }
+      return;
+    }
+    index_t blk = k0 / a.block_size, at = k0 % a.block_size;
+    index_t page = a.block_table[p.bt0 + blk];
+    for (index_t j = 0; j < n; ++j) {
+      s.page[j] = page;
+      s.slot[j] = at;
+      if (++at == a.block_size && j + 1 < n) {
+        at = 0;
+        page = a.block_table[p.bt0 + ++blk];
       }
     }
   }

@@ -380,10 +380,11 @@ struct VecKernels {
     }
   }
 
-  //   acc[r, :w] += sum_j p[r*ps + j] * v[j*v_rs, :w] for RB rows: NV vectors of each V row are
+  //   acc[r, :w] += sum_j p[r*ps + j] * rows[j][d0 : d0+w] for RB rows: NV vectors of each V row are
   //   loaded once for all RB rows, and the RB x NV accumulators stay in registers over the kb rows.
   template <int NV, int RB, class S>
-  static void pv_block(const T* p, index_t ps, index_t kb, const S* v, index_t v_rs, int w, T* acc, index_t ldacc) {
+  static void pv_block(const T* p, index_t ps, index_t kb, const S* const* rows, index_t d0, int w, T* acc,
+                       index_t ldacc) {
     const int nlast = w - (NV - 1) * L;
     const typename Ops::Mask last = Ops::mask(nlast);
     auto ldt = [&](int i, const T* ptr) { return i < NV - 1 ? Ops::load(ptr) : Ops::maskload(last, ptr); };
@@ -394,7 +395,7 @@ struct VecKernels {
 #pragma GCC unroll 8
       for (int i = 0; i < NV; ++i) a[r][i] = ldt(i, acc + r * ldacc + i * L);
     for (index_t j = 0; j < kb; ++j) {
-      const S* vr = v + j * v_rs;
+      const S* vr = rows[j] + d0;
       V vv[NV];
 #pragma GCC unroll 8
       for (int i = 0; i < NV; ++i) vv[i] = ld(i, vr + i * L);
@@ -415,32 +416,34 @@ struct VecKernels {
 
   // One column chunk of width w (at most CW = 16 / RB vectors) for RB rows.
   template <int RB, class S>
-  static void pv_chunk(const T* p, index_t ps, index_t kb, const S* v, index_t v_rs, int w, T* acc, index_t ldacc) {
+  static void pv_chunk(const T* p, index_t ps, index_t kb, const S* const* rows, index_t d0, int w, T* acc,
+                       index_t ldacc) {
     switch ((w + L - 1) / L) {
       case 8:
-        if constexpr (RB <= 2) pv_block<8, RB, S>(p, ps, kb, v, v_rs, w, acc, ldacc);
+        if constexpr (RB <= 2) pv_block<8, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc);
         break;
       case 7:
-        if constexpr (RB <= 2) pv_block<7, RB, S>(p, ps, kb, v, v_rs, w, acc, ldacc);
+        if constexpr (RB <= 2) pv_block<7, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc);
         break;
       case 6:
-        if constexpr (RB <= 2) pv_block<6, RB, S>(p, ps, kb, v, v_rs, w, acc, ldacc);
+        if constexpr (RB <= 2) pv_block<6, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc);
         break;
       case 5:
-        if constexpr (RB <= 2) pv_block<5, RB, S>(p, ps, kb, v, v_rs, w, acc, ldacc);
+        if constexpr (RB <= 2) pv_block<5, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc);
         break;
-      case 4: pv_block<4, RB, S>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
-      case 3: pv_block<3, RB, S>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
-      case 2: pv_block<2, RB, S>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
-      default: pv_block<1, RB, S>(p, ps, kb, v, v_rs, w, acc, ldacc); break;
+      case 4: pv_block<4, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc); break;
+      case 3: pv_block<3, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc); break;
+      case 2: pv_block<2, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc); break;
+      default: pv_block<1, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc); break;
     }
   }
 
-  //   acc[x, :] += sum_j p[x*ps + j] * v[j*v_rs, :] for x < R: rows four (or two, one) at a
+  //   acc[x, :] += sum_j p[x*ps + j] * rows[j][:] for x < R (rows: one pointer per V row, so a
+  //   paged cache's rows are read where they lie: rows four (or two, one) at a
   //   time, each V row chunk read once for all of them, in column chunks of 16 / RB vectors
   //   (16 accumulators).
   template <class S>
-  static void pv_rows(const T* p, index_t ps, index_t R, index_t kb, const S* v, index_t v_rs, index_t Ev, T* acc) {
+  static void pv_rows(const T* p, index_t ps, index_t R, index_t kb, const S* const* rows, index_t Ev, T* acc) {
     for (index_t x = 0; x < R;) {
       const int rb = R - x >= 4 ? 4 : R - x >= 2 ? 2 : 1;
       const index_t cw = (rb == 4 ? 4 : 8) * L;
@@ -449,11 +452,11 @@ struct VecKernels {
         const T* px = p + x * ps;
         T* ax = acc + x * Ev + d0;
         if (rb == 4)
-          pv_chunk<4, S>(px, ps, kb, v + d0, v_rs, w, ax, Ev);
+          pv_chunk<4, S>(px, ps, kb, rows, d0, w, ax, Ev);
         else if (rb == 2)
-          pv_chunk<2, S>(px, ps, kb, v + d0, v_rs, w, ax, Ev);
+          pv_chunk<2, S>(px, ps, kb, rows, d0, w, ax, Ev);
         else
-          pv_chunk<1, S>(px, ps, kb, v + d0, v_rs, w, ax, Ev);
+          pv_chunk<1, S>(px, ps, kb, rows, d0, w, ax, Ev);
       }
       x += rb;
     }

@@ -61,13 +61,13 @@ struct GenericKernels {
       s[x * ss] = d;
     }
   }
-  //   acc[x, d] += sum_j p[x*ps + j] * v[j*v_rs + d]
+  //   acc[x, d] += sum_j p[x*ps + j] * rows[j][d]
   template <class S>
-  static void pv_rows(const T* p, index_t ps, index_t R, index_t kb, const S* v, index_t v_rs, index_t Ev, T* acc) {
+  static void pv_rows(const T* p, index_t ps, index_t R, index_t kb, const S* const* rows, index_t Ev, T* acc) {
     for (index_t x = 0; x < R; ++x)
       for (index_t j = 0; j < kb; ++j) {
         const T pj = p[x * ps + j];
-        const S* vr = v + j * v_rs;
+        const S* vr = rows[j];
         T* ax = acc + x * Ev;
         for (index_t d = 0; d < Ev; ++d) ax[d] += pj * T(to_float(vr[d]));
       }
