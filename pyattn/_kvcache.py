@@ -429,20 +429,31 @@ class KVCache:
         if counts.max(initial=0) > Lq:
             raise ValueError(f"new_lens must be <= Lq = {Lq}; got {counts.max()}")
         needed = self._lens + counts
-        if self.block_table is not None:
-            self._reserve(needed)
-        elif needed.max(initial=0) > self.max_len:
+        if self.max_len is not None and needed.max(initial=0) > self.max_len:
             raise ValueError(f"cache overflow: a sequence would hold {needed.max()} tokens; max_len is {self.max_len}")
-        res = _cache_attention(
-            query, self.k, self.v, self._lens, k_new=k_new, v_new=v_new, new_lens=new_lens,
-            block_table=self.block_table, k_scale=self.k_scale, v_scale=self.v_scale,
-            scale=variants.pop("scale", None), is_causal=variants.pop("is_causal", True),
-            window=variants.pop("window", None), softcap=variants.pop("softcap", None),
-            alibi_slopes=variants.pop("alibi_slopes", None), sinks=variants.pop("sinks", None),
-            return_lse=variants.pop("return_lse", False), out=variants.pop("out", None),
-        )  # fmt: skip
-        if variants:
-            raise TypeError(f"attend() got unexpected keywords {sorted(variants)}")
+        known = ("scale", "is_causal", "window", "softcap", "alibi_slopes", "sinks", "return_lse", "out")
+        unknown = sorted(set(variants) - set(known))
+        if unknown:
+            raise TypeError(f"attend() got unexpected keywords {unknown}")
+        # A paged cache takes its blocks first; if the call then fails (a bad input), the blocks,
+        # the table and a grown pool are put back as they were.
+        saved = None
+        if self.block_table is not None:
+            saved = (self.block_table.copy(), list(self._free), self.k, self.v, self.k_scale, self.v_scale)
+            self._reserve(needed)
+        try:
+            res = _cache_attention(
+                query, self.k, self.v, self._lens, k_new=k_new, v_new=v_new, new_lens=new_lens,
+                block_table=self.block_table, k_scale=self.k_scale, v_scale=self.v_scale,
+                scale=variants.get("scale"), is_causal=variants.get("is_causal", True),
+                window=variants.get("window"), softcap=variants.get("softcap"),
+                alibi_slopes=variants.get("alibi_slopes"), sinks=variants.get("sinks"),
+                return_lse=variants.get("return_lse", False), out=variants.get("out"),
+            )  # fmt: skip
+        except BaseException:
+            if saved is not None:
+                self.block_table, self._free, self.k, self.v, self.k_scale, self.v_scale = saved
+            raise
         self._lens = needed
         return res
 
