@@ -24,6 +24,9 @@ bias, key padding)            float; materialised)
 causal sliding window         explicit bool mask          GroupQueryAttention prefill with
 (left, 0), Lq == Lk                                       ``local_window_size`` (no past KV)
 bfloat16 q, k, v              ``dtype=torch.bfloat16``    no
+decode on a KV cache          ``cache[:, :, :n]`` (a      GroupQueryAttention, past KV + 1 token
+(bench_kvcache.py)            view of a preallocated      (any Hq / Hkv); int8 past KV with
+                              float32 cache)              static PER_CHANNEL scales
 ============================  ==========================  =====================================
 """
 
@@ -133,6 +136,28 @@ def prepare_torch_sdpa(q, k, v, *, attn_mask=None, is_causal=False, dtype=None, 
     return Prepared(run, finish, what)
 
 
+def prepare_torch_cache_slice(q, k_cache, v_cache, n, *, num_threads) -> Prepared:
+    """F.scaled_dot_product_attention of q (B, Hq, Lq, E) over the first ``n`` tokens of a
+    preallocated torch cache (B, Hkv, Lmax, E|Ev): the slice ``cache[:, :, :n]`` (a strided view,
+    no copy) is taken inside the timed call, as a decode step does; ``enable_gqa`` when Hq !=
+    Hkv. The caches are shared with NumPy (torch.from_numpy, zero-copy)."""
+    torch = torch_set_threads(num_threads)
+    for c in (k_cache, v_cache):
+        if not (isinstance(c, np.ndarray) and c.dtype == np.float32 and c.flags.c_contiguous):
+            raise Unsupported("the torch cache peer takes C-contiguous float32 caches")
+    tq = torch.from_numpy(np.ascontiguousarray(q))
+    tk, tv = torch.from_numpy(k_cache), torch.from_numpy(v_cache)
+    kwargs = {"enable_gqa": True} if q.shape[-3] != k_cache.shape[-3] else {}
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def run():
+        with torch.inference_mode():
+            return sdpa(tq, tk[:, :, :n], tv[:, :, :n], **kwargs)
+
+    what = "F.scaled_dot_product_attention on cache[:, :, :n]" + (", enable_gqa" if kwargs else "")
+    return Prepared(run, lambda t: t.numpy(), what)
+
+
 def prepare_torch_softmax(x, mask, *, num_threads) -> Prepared:
     """torch.softmax; a bool mask (True = keep) through masked_fill, a float mask added."""
     torch = torch_set_threads(num_threads)
@@ -192,35 +217,109 @@ def _mha_session(B, Lq, Lk, H, E, Ev, causal, num_threads):
 
 
 @functools.lru_cache(maxsize=16)
-def _gqa_session(B, Hq, Hkv, past, D, num_threads):
-    """One-node com.microsoft GroupQueryAttention model: 1 new token on a past KV cache."""
+def _gqa_session(B, Hq, Hkv, past, D, num_threads, kv_int8=False):
+    """One-node com.microsoft GroupQueryAttention model: 1 new token on a past KV cache.
+    ``kv_int8``: the past/present KV are int8 with static per-channel scales ``k_scale`` /
+    ``v_scale`` (1, Hkv, 1, D) (``k_quant_type="PER_CHANNEL"``, ``kv_cache_bit_width=8``); the
+    new token comes in float32 and the op quantises it with those scales."""
     _ort()
     from onnx import TensorProto, helper
 
     f, i32 = TensorProto.FLOAT, TensorProto.INT32
+    cache = TensorProto.INT8 if kv_int8 else f
     inputs = [
         helper.make_tensor_value_info("query", f, [B, 1, Hq * D]),
         helper.make_tensor_value_info("key", f, [B, 1, Hkv * D]),
         helper.make_tensor_value_info("value", f, [B, 1, Hkv * D]),
-        helper.make_tensor_value_info("past_key", f, [B, Hkv, past, D]),
-        helper.make_tensor_value_info("past_value", f, [B, Hkv, past, D]),
+        helper.make_tensor_value_info("past_key", cache, [B, Hkv, past, D]),
+        helper.make_tensor_value_info("past_value", cache, [B, Hkv, past, D]),
         helper.make_tensor_value_info("seqlens_k", i32, [B]),
         helper.make_tensor_value_info("total_sequence_length", i32, []),
     ]
-    outputs = [helper.make_tensor_value_info(n, f, None) for n in ("output", "present_key", "present_value")]
+    names = [t.name for t in inputs]
+    attrs = {}
+    if kv_int8:
+        inputs += [helper.make_tensor_value_info(n, f, [1, Hkv, 1, D]) for n in ("k_scale", "v_scale")]
+        # cos_cache, sin_cache, position_ids, attention_bias, head_sink: absent
+        names += ["", "", "", "", "", "k_scale", "v_scale"]
+        attrs = {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL", "kv_cache_bit_width": 8}
+    outputs = [
+        helper.make_tensor_value_info(n, t, None)
+        for n, t in (("output", f), ("present_key", cache), ("present_value", cache))
+    ]
     node = helper.make_node(
         "GroupQueryAttention",
-        [t.name for t in inputs],
+        names,
         [t.name for t in outputs],
         domain="com.microsoft",
         num_heads=Hq,
         kv_num_heads=Hkv,
+        **attrs,
     )
     model = helper.make_model(
         helper.make_graph([node], "gqa", inputs, outputs),
         opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
     )
     return _session(model.SerializeToString(), num_threads)
+
+
+def quantize_per_channel(x: np.ndarray):
+    """int8 values and float32 scales (1, H, 1, D) of x (B, H, L, D): symmetric absmax per head
+    and channel over every batch entry and token (ONNX Runtime's PER_CHANNEL static KV scales),
+    x ~ q * scale. One head at a time, so the temporaries stay small."""
+    B, H, L, D = x.shape
+    q = np.empty(x.shape, np.int8)
+    scale = np.empty((1, H, 1, D), np.float32)
+    for h in range(H):
+        amax = np.max(np.abs(x[:, h]), axis=(0, 1)) if B * L else np.zeros(D, np.float32)
+        s = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+        q[:, h] = np.clip(np.rint(x[:, h] / s), -127, 127)
+        scale[0, h, 0] = s
+    return q, scale
+
+
+def prepare_ort_gqa_decode(q, k, v, *, k_scale=None, v_scale=None, num_threads) -> Prepared:
+    """ONNX Runtime GroupQueryAttention for one decode step, whatever Hq / Hkv (MHA too): q (B,
+    Hq, 1, D) attends k, v (B, Hkv, Lk, D) given as a past KV cache of Lk - 1 tokens plus the
+    last token as the new one (the op copies past + new into its ``present`` outputs in the
+    call). int8 k, v with ``k_scale`` / ``v_scale`` (1, Hkv, 1, D) (see quantize_per_channel):
+    an int8 past cache (PER_CHANNEL), the new token fed as its dequantised float32 values, which
+    the op quantises back to the same int8. Inputs transposed / sliced outside the timing."""
+    _ort()
+    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape or q.shape[0] != k.shape[0]:
+        raise Unsupported("onnxruntime GroupQueryAttention decode needs q (B, Hq, 1, D), k and v (B, Hkv, Lk, D)")
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    if Lq != 1 or k.shape[3] != D or Lk < 2 or Hq % Hkv:
+        raise Unsupported("onnxruntime GroupQueryAttention is benchmarked for decode only (Lq == 1, E == Ev)")
+    kv_int8 = k.dtype == np.int8
+    if kv_int8 != (v.dtype == np.int8) or kv_int8 != (k_scale is not None and v_scale is not None):
+        raise Unsupported("int8 k and v go with k_scale and v_scale (and float32 k, v without them)")
+    sess = _gqa_session(B, Hq, Hkv, Lk - 1, D, num_threads, kv_int8=kv_int8)
+    if kv_int8:
+        k_last = k[:, :, -1:].astype(np.float32) * k_scale
+        v_last = v[:, :, -1:].astype(np.float32) * v_scale
+    else:
+        k_last, v_last = k[:, :, -1:], v[:, :, -1:]
+    feeds = {
+        "query": _to_blc(q),
+        "key": _to_blc(k_last),
+        "value": _to_blc(v_last),
+        "past_key": np.ascontiguousarray(k[:, :, :-1]),
+        "past_value": np.ascontiguousarray(v[:, :, :-1]),
+        "seqlens_k": np.full((B,), Lk - 1, dtype=np.int32),  # total length - 1, per batch
+        "total_sequence_length": np.array(Lk, dtype=np.int32),
+    }
+    note = "com.microsoft GroupQueryAttention (past KV + 1 token; writes present KV)"
+    if kv_int8:
+        feeds["k_scale"] = np.ascontiguousarray(k_scale, dtype=np.float32)
+        feeds["v_scale"] = np.ascontiguousarray(v_scale, dtype=np.float32)
+        note += ", int8 KV cache, PER_CHANNEL scales"
+
+    def finish(out):  # (B, 1, Hq*D) -> (B, Hq, 1, D)
+        return out.reshape(B, 1, Hq, D).transpose(0, 2, 1, 3)
+
+    return Prepared(lambda: sess.run(["output"], feeds)[0], finish, note)
 
 
 @functools.lru_cache(maxsize=4)
