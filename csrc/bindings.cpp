@@ -210,13 +210,15 @@ PYBIND11_MODULE(_core, m) {
           check_matrices("v", v, voff, bh, Lk, v_rs, Ev, 1);
           check_matrices("k_scale", k_scale, ksoff, bh, Lk, ks_rs, 1, 1);
           check_matrices("v_scale", v_scale, vsoff, bh, Lk, vs_rs, 1, 1);
-        } else {  // every block a problem may read exists
+        } else {  // every block a problem may read exists (for its own kv_lens keys)
           const py::array bt = py::cast<py::array>(block_table), bo = py::cast<py::array>(bt_off);
           PYATTN_DEBUG_CHECK(bt.itemsize() == 4 && bo.itemsize() == 8 && block_size > 0,
                              "block_table: int32 blocks, int64 offsets");
-          const index_t nblocks = index_t(k.shape(0)), need = (Lk + block_size - 1) / block_size;
+          const index_t nblocks = index_t(k.shape(0));
+          const index_t* kl =
+              kv_lens.is_none() ? nullptr : static_cast<const index_t*>(py::cast<py::array>(kv_lens).data());
           for (index_t i = 0; i < bh; ++i)
-            for (index_t b = 0; b < need; ++b) {
+            for (index_t b = 0, need = ((kl ? kl[i] : Lk) + block_size - 1) / block_size; b < need; ++b) {
               const index_t at = static_cast<const index_t*>(bo.data())[i] + b;
               PYATTN_DEBUG_CHECK(at >= 0 && at < index_t(bt.size()), "block_table: too few entries");
               const index_t blk = static_cast<const std::int32_t*>(bt.data())[at];

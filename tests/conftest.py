@@ -46,6 +46,20 @@ except ImportError:  # pragma: no cover - hypothesis is a test dependency
 from _helpers import ISAS  # noqa: E402
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_blas_thread():
+    """One BLAS thread for NumPy (the reference's matmuls) beside pyattn's OpenMP team: on 2
+    cores, the two spinning pools made whole modules up to 3x slower. Needs threadpoolctl (in the
+    test extra); without it nothing changes."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        yield
+        return
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
+
+
 @pytest.fixture(params=ISAS)
 def isa(request):
     """Switch pyattn to one SIMD kernel for the duration of a test, then restore it."""

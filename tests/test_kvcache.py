@@ -38,18 +38,6 @@ CACHE_DTYPES = ["float32", "float64", "float16", "bfloat16", "int8"]
 LAYOUTS = {"contiguous": None, "paged16": 16, "paged5": 5}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_blas_thread():
-    """One BLAS thread for the reference's matmuls beside pyattn's OpenMP team (2 cores)."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        yield
-        return
-    with threadpool_limits(limits=1, user_api="blas"):
-        yield
-
-
 def cache_dtype(name):
     """The NumPy dtype of a cache dtype name (bfloat16 from ml_dtypes, skipped without it)."""
     if name == "bfloat16":

@@ -49,20 +49,6 @@ ALIGN = {**CAUSAL, "br_nocausal": {"causal_align": "bottom_right"}}
 dtype_param = pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_blas_thread():
-    """The reference's float64 matmuls run on NumPy's BLAS, whose threads spin after each call
-    beside pyattn's OpenMP team: on 2 cores that oversubscription made this module 3x slower.
-    One BLAS thread while it runs (when threadpoolctl, a bench extra, is installed)."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        yield
-        return
-    with threadpool_limits(limits=1, user_api="blas"):
-        yield
-
-
 def wid(w):
     return "w" + "_".join("N" if s is None else str(s) for s in w)
 
