@@ -20,7 +20,7 @@ template <class Ops>
 static inline typename Ops::V tanh_v(typename Ops::V x) {
   using T = typename Ops::T;
   using V = typename Ops::V;
-  const V ax = Ops::abs(x), z = Ops::mul(x, x);
+  const V z = Ops::mul(x, x);
   V small;
   if constexpr (sizeof(T) == 4) {
     V p = Ops::set1(-5.70498872745e-3f);
@@ -38,7 +38,8 @@ static inline typename Ops::V tanh_v(typename Ops::V x) {
     q = Ops::fma(q, z, Ops::set1(4.84406305325125486048e3));
     small = Ops::fma(Ops::div(Ops::mul(p, z), q), x, x);
   }
-  if (!Ops::any_ge(ax, Ops::set1(T(0.625)))) return small;
+  if (!Ops::any_ge(z, Ops::set1(T(0.390625)))) return small;  // every |x| < 0.625
+  const V ax = Ops::abs(x);
   const V e = Ops::exp2(Ops::mul(ax, Ops::set1(T(2 * kLog2e))));
   const V one = Ops::set1(T(1));
   const V large = Ops::copysign(Ops::sub(one, Ops::div(Ops::set1(T(2)), Ops::add(e, one))), x);
@@ -205,6 +206,20 @@ static inline __attribute__((always_inline)) typename Ops::V apply_mods(typename
   return s;
 }
 
+// mods(s) + nsub, with the cap's product and the ALiBi term folded into FMAs (one operation a
+// vector fewer than apply_mods then an add: the epilogue runs once per score).
+template <class Ops, bool CAP, bool ALIBI>
+static inline __attribute__((always_inline)) typename Ops::V mods_plus(typename Ops::V s,
+                                                                       const ScoreMods<typename Ops::T>& md,
+                                                                       typename Ops::V dcol, int r,
+                                                                       typename Ops::V nsub) {
+  using T = typename Ops::T;
+  typename Ops::V rest = nsub;
+  if constexpr (ALIBI) rest = Ops::fma(Ops::set1(md.nslope), Ops::abs(Ops::sub(dcol, Ops::set1(T(r)))), rest);
+  if constexpr (CAP) return Ops::fma(Ops::set1(md.cap), tanh_v<Ops>(s), rest);
+  return Ops::add(s, rest);
+}
+
 // The attention scores with the softmax numerator fused into the store, on the ceil(nr / L)
 // vectors that hold the first nr columns (whole vectors are stored):
 //   x = mods(A B) - sub (per column); xmax = max(xmax, colmax(x)); C = exp2(x); csum += colsum(C)
@@ -223,7 +238,7 @@ static inline void gemm_ukernel_exp2(int mr, index_t k, const typename Ops::T* a
     V sv[NV], mx[NV], sm[NV], dcol[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
-      sv[v] = Ops::load(sub + v * L);
+      sv[v] = Ops::sub(Ops::zero(), Ops::load(sub + v * L));  // -sub, added by mods_plus
       mx[v] = Ops::load(xmax + v * L);
       sm[v] = Ops::load(csum + v * L);
       if constexpr (ALIBI)
@@ -236,7 +251,7 @@ static inline void gemm_ukernel_exp2(int mr, index_t k, const typename Ops::T* a
       T* cr = c + r * ldc;
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) {
-        const V x = Ops::sub(apply_mods<Ops, CAP, ALIBI>(acc[r][v], md, dcol[v], r), sv[v]);
+        const V x = mods_plus<Ops, CAP, ALIBI>(acc[r][v], md, dcol[v], r, sv[v]);
         mx[v] = Ops::max(mx[v], x);
         const V e = Ops::exp2(x);
         sm[v] = Ops::add(sm[v], e);
