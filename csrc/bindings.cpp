@@ -76,6 +76,18 @@ void check_matrices(const char* name, const py::object& arr, const py::object& o
   }
 }
 
+// An optional per-problem length vector: int64, at least bh entries, each in [0, max].
+void check_lengths(const char* name, const py::object& obj, index_t bh, index_t max) {
+  if (obj.is_none()) return;
+  const py::array a = py::cast<py::array>(obj);
+  PYATTN_DEBUG_CHECK(a.itemsize() == 8 && a.ndim() == 1 && index_t(a.shape(0)) >= bh,
+                     std::string(name) + ": an int64 vector of bh entries");
+  for (index_t i = 0; i < bh; ++i) {
+    const index_t n = static_cast<const index_t*>(a.data())[i];
+    PYATTN_DEBUG_CHECK(n >= 0 && n <= max, std::string(name) + ": a length outside [0, " + std::to_string(max) + "]");
+  }
+}
+
 void check_same_dtype(const py::array& ref, std::initializer_list<std::pair<const char*, const py::object*>> arrs) {
   for (const auto& na : arrs) {
     if (na.second->is_none()) continue;
@@ -175,27 +187,11 @@ PYBIND11_MODULE(_core, m) {
               "attention: low-precision K/V need 2-byte (1-byte int8) k and v and a float32 output");
         PYATTN_DEBUG_CHECK((kv_type == 3) == !k_scale.is_none() && (kv_type == 3) == !v_scale.is_none(),
                            "attention: int8 K/V need their scales, and only they");
-        if (!q_lens.is_none()) {
-          const py::array ql = py::cast<py::array>(q_lens);
-          PYATTN_DEBUG_CHECK(ql.itemsize() == 8 && ql.ndim() == 1 && index_t(ql.shape(0)) >= bh,
-                             "q_lens: an int64 vector of bh entries");
-          for (index_t i = 0; i < bh; ++i) {
-            const index_t n = static_cast<const index_t*>(ql.data())[i];
-            PYATTN_DEBUG_CHECK(n >= 0 && n <= Lq, "q_lens: a length outside [0, Lq]");
-          }
-        }
+        check_lengths("q_lens", q_lens, bh, Lq);
         PYATTN_DEBUG_CHECK(softcap >= 0 && win_left >= 0 && win_right >= 0, "attention: negative softcap or window");
         check_matrices("alibi", alibi, py::none(), 1, 1, 0, bh, 1);
         check_matrices("sinks", sinks, py::none(), 1, 1, 0, bh, 1);
-        if (!kv_lens.is_none()) {
-          const py::array kl = py::cast<py::array>(kv_lens);
-          PYATTN_DEBUG_CHECK(kl.itemsize() == 8 && kl.ndim() == 1 && index_t(kl.shape(0)) >= bh,
-                             "kv_lens: an int64 vector of bh entries");
-          for (index_t i = 0; i < bh; ++i) {
-            const index_t n = static_cast<const index_t*>(kl.data())[i];
-            PYATTN_DEBUG_CHECK(n >= 0 && n <= Lk, "kv_lens: a length outside [0, Lk]");
-          }
-        }
+        check_lengths("kv_lens", kv_lens, bh, Lk);
         PYATTN_DEBUG_CHECK(!qoff.is_none() && !koff.is_none() && !voff.is_none() && !ooff.is_none(),
                            "attention: q, k, v and out offsets are required");
         PYATTN_DEBUG_CHECK(group >= 1 && bh % group == 0, "attention: bh must be a multiple of group");

@@ -184,15 +184,18 @@ def per_head(values, name: str, lead: tuple, dtype: np.dtype):
     a = np.asarray(values)
     if a.dtype.kind not in "fiu" and a.dtype.name != "bfloat16":
         raise TypeError(f"{name} must be a float array; got dtype {a.dtype}")
-    if not lead and a.size == 1:  # one head (no heads axis): a scalar or a length-1 vector
+    b = _broadcast_named(a, lead, name, "one per query head")
+    return np.ascontiguousarray(b, dtype=dtype).reshape(-1)
+
+
+def _broadcast_named(a: np.ndarray, shape: tuple, name: str, what: str) -> np.ndarray:
+    """``a`` broadcast to ``shape`` (a size-1 value fits an empty shape), or a ValueError naming it."""
+    if not shape and a.size == 1:
         a = a.reshape(())
     try:
-        b = np.broadcast_to(a, lead)
+        return np.broadcast_to(a, shape)
     except ValueError:
-        raise ValueError(
-            f"{name} has shape {a.shape}; expected a shape broadcastable to {lead} (one per query head)"
-        ) from None
-    return np.ascontiguousarray(b, dtype=dtype).reshape(-1)
+        raise ValueError(f"{name} has shape {a.shape}; expected a shape broadcastable to {shape} ({what})") from None
 
 
 def key_counts(kv_lens, lead: tuple, Lk: int):
@@ -204,14 +207,7 @@ def key_counts(kv_lens, lead: tuple, Lk: int):
     if a.dtype.kind not in "iu":
         raise TypeError(f"kv_lens must be an integer array; got dtype {a.dtype}")
     batch = lead[:-1]
-    if not batch and a.size == 1:
-        a = a.reshape(())
-    try:
-        b = np.broadcast_to(a, batch)
-    except ValueError:
-        raise ValueError(
-            f"kv_lens has shape {a.shape}; expected a shape broadcastable to {batch} (the axes before the heads)"
-        ) from None
+    b = _broadcast_named(a, batch, "kv_lens", "the axes before the heads")
     if b.size and (b.min() < 0 or b.max() > Lk):
         raise ValueError(f"kv_lens must be in [0, Lk = {Lk}]; got values from {b.min()} to {b.max()}")
     per_problem = np.broadcast_to(b[..., None], lead) if lead else b  # repeated over the heads
