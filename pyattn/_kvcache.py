@@ -8,6 +8,7 @@ ever concatenated or gathered into a copy.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -79,10 +80,18 @@ class _Layout:
 
     def offsets(self, batch: int, heads: int, group: int) -> np.ndarray:
         """Element offset of (sequence b, kv head h // group) for every query problem (b, h)."""
-        b = np.arange(batch, dtype=np.int64)[:, None]
-        h = np.arange(heads, dtype=np.int64)[None, :] // group
-        off = h * self.hs + (0 if self.paged else b * self.bs)
-        return np.ascontiguousarray(np.broadcast_to(off, (batch, heads)).reshape(-1))
+        return _grid_offsets(batch, heads, 0 if self.paged else self.bs, self.hs, group)
+
+
+@functools.lru_cache(maxsize=256)
+def _grid_offsets(batch: int, heads: int, bstride: int, hstride: int, group: int = 1) -> np.ndarray:
+    """b * bstride + (h // group) * hstride for every (b, h), in C order (int64, read-only).
+    Cached: a decode loop asks for the same few layouts at every step."""
+    b = np.arange(batch, dtype=np.int64)[:, None]
+    h = np.arange(heads, dtype=np.int64)[None, :] // group
+    off = np.ascontiguousarray(np.broadcast_to(b * bstride + h * hstride, (batch, heads)).reshape(-1))
+    off.flags.writeable = False
+    return off
 
 
 def _write(cache, scale, table, layout: _Layout, lens, new, counts):
@@ -236,12 +245,11 @@ def _cache_attention(
         kv_lens = per(keys)
         q_lens = per(counts) if ragged else None
         Lk = int(keys.max(initial=0))
-        qs, os_ = (_elem(qb, 0), _elem(qb, 1)), (_elem(target, 0), _elem(target, 1))
-        qoff = (np.arange(B)[:, None] * qs[0] + np.arange(Hq)[None, :] * qs[1]).astype(np.int64).reshape(-1)
-        ooff = (np.arange(B)[:, None] * os_[0] + np.arange(Hq)[None, :] * os_[1]).astype(np.int64).reshape(-1)
+        qoff = _grid_offsets(B, Hq, _elem(qb, 0), _elem(qb, 1))
+        ooff = _grid_offsets(B, Hq, _elem(target, 0), _elem(target, 1))
         koff, voff = kl.offsets(B, Hq, group), vl.offsets(B, Hq, group)
-        lseoff = (np.arange(bh, dtype=np.int64) * Lq) if lse is not None else None
-        bt_off = np.repeat(np.arange(B, dtype=np.int64) * (table.shape[1] if table is not None else 0), Hq)
+        lseoff = _grid_offsets(B, Hq, Hq * Lq, Lq) if lse is not None else None
+        bt_off = _grid_offsets(B, Hq, table.shape[1], 0) if table is not None else None
         if kv_type == 3:  # the scales are laid out like the cache without its last axis
             ksl = _Layout(k_scale, table, B, "k_scale")
             vsl = _Layout(v_scale, table, B, "v_scale")
@@ -264,7 +272,7 @@ def _cache_attention(
             float(scale), bool(is_causal), True,  # scale, causal, bottom_right
             cap, slopes, sink, win_left, win_right,  # softcap, alibi, sinks, win_left, win_right
             kv_lens, kv_type,  # kv_lens, kv_type
-            q_lens, table, bt_off if table is not None else None,  # q_lens, block_table, bt_off
+            q_lens, table, bt_off,  # q_lens, block_table, bt_off
             kl.block_size, kl.bs, vl.bs,  # block_size, k_ps, v_ps
             k_scale if kv_type == 3 else None, ksoff, ks[0], ks[1],  # k_scale, ksoff, ks_rs, ks_ps
             v_scale if kv_type == 3 else None, vsoff, vs[0], vs[1],  # v_scale, vsoff, vs_rs, vs_ps
