@@ -51,7 +51,7 @@ __all__ = [
     "show_config",
 ]
 
-_CAUSAL = {"top_left": 1, "bottom_right": 2}
+_CAUSAL_ALIGNS = ("top_left", "bottom_right")
 _KV_TYPES = {"float16": 1, "bfloat16": 2}  # half-precision K/V the float32 kernels read as they are
 
 _env_isa = os.environ.get("PYATTN_ISA")
@@ -127,7 +127,7 @@ def scaled_dot_product_attention(
         raise ValueError(f"key has feature size {Ek} (shape {k.shape}); expected E = {E} from query {q.shape}")
     if Lv != Lk:
         raise ValueError(f"value has length {Lv} (shape {v.shape}); expected Lk = {Lk} from key {k.shape}")
-    if causal_align not in _CAUSAL:
+    if causal_align not in _CAUSAL_ALIGNS:
         raise ValueError(f"causal_align must be 'top_left' or 'bottom_right'; got {causal_align!r}")
     win_left, win_right = window_sides(window)
     cap = softcap_value(softcap)

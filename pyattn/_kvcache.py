@@ -8,7 +8,6 @@ ever concatenated or gathered into a copy.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -17,9 +16,14 @@ from . import _core
 from ._validate import (
     F32,
     F64,
+    check_out,
+    compute_dtype,
     float_array,
+    lead_offsets,
     per_head,
+    positive_int,
     softcap_value,
+    strided_offsets,
     unit_last,
     window_sides,
 )
@@ -80,18 +84,7 @@ class _Layout:
 
     def offsets(self, batch: int, heads: int, group: int) -> np.ndarray:
         """Element offset of (sequence b, kv head h // group) for every query problem (b, h)."""
-        return _grid_offsets(batch, heads, 0 if self.paged else self.bs, self.hs, group)
-
-
-@functools.lru_cache(maxsize=256)
-def _grid_offsets(batch: int, heads: int, bstride: int, hstride: int, group: int = 1) -> np.ndarray:
-    """b * bstride + (h // group) * hstride for every (b, h), in C order (int64, read-only).
-    Cached: a decode loop asks for the same few layouts at every step."""
-    b = np.arange(batch, dtype=np.int64)[:, None]
-    h = np.arange(heads, dtype=np.int64)[None, :] // group
-    off = np.ascontiguousarray(np.broadcast_to(b * bstride + h * hstride, (batch, heads)).reshape(-1))
-    off.flags.writeable = False
-    return off
+        return strided_offsets((batch, heads // group), (0 if self.paged else self.bs, self.hs), group)
 
 
 def _write(cache, scale, table, layout: _Layout, lens, new, counts):
@@ -219,8 +212,6 @@ def _cache_attention(
     slopes = per_head(alibi_slopes, "alibi_slopes", lead, dtype)
     sink = per_head(sinks, "sinks", lead, dtype)
     if out is not None:
-        from ._validate import check_out
-
         check_out(out, (B, Hq, Lq, Ev), dtype)
     if scale is None:
         scale = 1.0 / math.sqrt(E) if E > 0 else 1.0
@@ -245,11 +236,10 @@ def _cache_attention(
         kv_lens = per(keys)
         q_lens = per(counts) if ragged else None
         Lk = int(keys.max(initial=0))
-        qoff = _grid_offsets(B, Hq, _elem(qb, 0), _elem(qb, 1))
-        ooff = _grid_offsets(B, Hq, _elem(target, 0), _elem(target, 1))
+        qoff, ooff = lead_offsets(qb, 2), lead_offsets(target, 2)
         koff, voff = kl.offsets(B, Hq, group), vl.offsets(B, Hq, group)
-        lseoff = _grid_offsets(B, Hq, Hq * Lq, Lq) if lse is not None else None
-        bt_off = _grid_offsets(B, Hq, table.shape[1], 0) if table is not None else None
+        lseoff = lead_offsets(lse, 2) if lse is not None else None
+        bt_off = strided_offsets((B, Hq), (table.shape[1], 0)) if table is not None else None
         if kv_type == 3:  # the scales are laid out like the cache without its last axis
             ksl = _Layout(k_scale, table, B, "k_scale")
             vsl = _Layout(v_scale, table, B, "v_scale")
@@ -341,8 +331,6 @@ class KVCache:
     def __init__(
         self, batch, num_kv_heads, head_dim, *, v_head_dim=None, max_len=None, block_size=None, dtype=np.float32
     ):
-        from ._validate import positive_int
-
         self.batch = positive_int(batch, "batch")
         self.num_kv_heads = positive_int(num_kv_heads, "num_kv_heads")
         self.head_dim = positive_int(head_dim, "head_dim")
@@ -355,7 +343,6 @@ class KVCache:
         self.max_len = None if max_len is None else positive_int(max_len, "max_len")
         self.block_size = None if block_size is None else positive_int(block_size, "block_size")
         self._lens = np.zeros(self.batch, np.int64)
-        H, D, Dv = self.num_kv_heads, self.head_dim, self.v_head_dim
         if self.block_size is None:
             self._alloc(self.batch, self.max_len)
             self.block_table = None
@@ -364,7 +351,6 @@ class KVCache:
             self._alloc(self.batch * per_seq, self.block_size)
             self.block_table = np.full((self.batch, per_seq), -1, np.int32)
             self._free = list(range(self.batch * per_seq - 1, -1, -1))
-        del H, D, Dv
 
     def _alloc(self, n: int, length: int):
         H, D, Dv = self.num_kv_heads, self.head_dim, self.v_head_dim
@@ -499,8 +485,6 @@ def varlen_attention(
     for a, name in ((q, "query"), (k, "key"), (v, "value")):
         if a.ndim != 3:
             raise ValueError(f"{name} must be (total, heads, features); got shape {a.shape}")
-    from ._validate import compute_dtype
-
     dtype = compute_dtype(q, k, v)
     Tq, Hq, E = q.shape
     Tk, Hkv, Ek = k.shape
@@ -523,8 +507,6 @@ def varlen_attention(
     slopes = per_head(alibi_slopes, "alibi_slopes", (Hq,), dtype)
     sink = per_head(sinks, "sinks", (Hq,), dtype)
     if out is not None:
-        from ._validate import check_out
-
         check_out(out, (Tq, Hq, Ev), dtype)
     if scale is None:
         scale = 1.0 / math.sqrt(E) if E > 0 else 1.0

@@ -67,13 +67,15 @@ def lead_offsets(a: np.ndarray, nlead: int, repeat: int = 1) -> np.ndarray:
     """Element offset of every matrix over the first ``nlead`` axes, in C order (int64, read-only),
     each repeated ``repeat`` times in place along the last of those axes (grouped-query heads)."""
     isz = a.itemsize
-    return _offsets(a.shape[:nlead], tuple(s // isz for s in a.strides[:nlead]), repeat)
+    return strided_offsets(a.shape[:nlead], tuple(s // isz for s in a.strides[:nlead]), repeat)
 
 
 @functools.lru_cache(maxsize=256)
-def _offsets(shape: tuple, strides: tuple, repeat: int) -> np.ndarray:
-    # Cached: a model calls attention with the same few layouts over and over, and building
-    # these took a third of the ~80 us a small call spent in Python.
+def strided_offsets(shape: tuple, strides: tuple, repeat: int = 1) -> np.ndarray:
+    """sum_i index_i * strides[i] over every index of ``shape`` in C order (int64, read-only), each
+    repeated ``repeat`` times in place along the last axis. Cached: a model calls attention with
+    the same few layouts over and over, and building these took a third of the ~80 us a small
+    call spent in Python."""
     off = np.zeros((), np.int64)
     for n, s in zip(shape, strides):
         off = off[..., None] + np.arange(n, dtype=np.int64) * s

@@ -87,7 +87,6 @@ struct f16_t {
 struct bf16_t {
   std::uint16_t bits;
 };
-enum class KvType : int { same = 0, f16 = 1, bf16 = 2, i8 = 3 };
 
 struct IsaTable {
   const char* name;
