@@ -384,31 +384,38 @@ class KVCache:
         self._lens[idx] = 0
 
     def _reserve(self, needed: np.ndarray):
-        """Blocks for `needed` tokens per sequence (paged): from the free list, growing the pool."""
+        """Blocks for `needed` tokens per sequence (paged): from the free list, growing the table
+        and the pool when they run out. Returns a function that undoes exactly this (for a call
+        that then fails): it touches only what was taken, not the whole table or free list."""
         bs = self.block_size
-        want = -(-needed // bs)
-        if want.max(initial=0) > self.block_table.shape[1]:
-            if self.max_len is not None:
-                raise ValueError(
-                    f"cache overflow: a sequence would hold {needed.max()} tokens; max_len is {self.max_len}"
-                )
-            grown = np.full((self.batch, max(int(want.max()), 2 * self.block_table.shape[1])), -1, np.int32)
-            grown[:, : self.block_table.shape[1]] = self.block_table
+        want, have = -(-needed // bs), -(-self._lens // bs)  # sequences hold ceil(lens / bs) blocks
+        table, arrays, nfree = self.block_table, (self.k, self.v, self.k_scale, self.v_scale), len(self._free)
+        if want.max(initial=0) > table.shape[1]:
+            grown = np.full((self.batch, max(int(want.max()), 2 * table.shape[1])), -1, np.int32)
+            grown[:, : table.shape[1]] = table
             self.block_table = grown
-        have = (self.block_table >= 0).sum(axis=1)
         missing = int(np.maximum(want - have, 0).sum())
         if missing > len(self._free):
             old = self.k.shape[0]
             new = max(2 * old, old + missing)
-            k, v, ks, vs = self.k, self.v, self.k_scale, self.v_scale
             self._alloc(new, bs)
-            self.k[:old], self.v[:old] = k, v
-            if ks is not None:
-                self.k_scale[:old], self.v_scale[:old] = ks, vs
+            for dst, src in zip((self.k, self.v, self.k_scale, self.v_scale), arrays):
+                if src is not None:
+                    dst[:old] = src
             self._free.extend(range(new - 1, old - 1, -1))
-        for r in range(self.batch):
-            for j in range(have[r], want[r]):
-                self.block_table[r, j] = self._free.pop()
+        taken = [(r, j) for r in range(self.batch) for j in range(have[r], want[r])]
+        for r, j in taken:
+            self.block_table[r, j] = self._free.pop()
+
+        def undo():
+            for r, j in reversed(taken):
+                self._free.append(int(self.block_table[r, j]))
+                self.block_table[r, j] = -1  # a grown table is dropped below; the old one is as it was
+            del self._free[nfree:]  # blocks a grown pool added
+            self.block_table = table
+            self.k, self.v, self.k_scale, self.v_scale = arrays
+
+        return undo
 
     def attend(self, query, k_new, v_new, *, new_lens=None, **variants):
         """Append ``k_new`` / ``v_new`` ``(B, Hkv, Lq, D)`` after each sequence's tokens, attend
@@ -431,10 +438,7 @@ class KVCache:
             raise TypeError(f"attend() got unexpected keywords {unknown}")
         # A paged cache takes its blocks first; if the call then fails (a bad input), the blocks,
         # the table and a grown pool are put back as they were.
-        saved = None
-        if self.block_table is not None:
-            saved = (self.block_table.copy(), list(self._free), self.k, self.v, self.k_scale, self.v_scale)
-            self._reserve(needed)
+        undo = self._reserve(needed) if self.block_table is not None else None
         try:
             res = _cache_attention(
                 query, self.k, self.v, self._lens, k_new=k_new, v_new=v_new, new_lens=new_lens,
@@ -445,8 +449,8 @@ class KVCache:
                 return_lse=variants.get("return_lse", False), out=variants.get("out"),
             )  # fmt: skip
         except BaseException:
-            if saved is not None:
-                self.block_table, self._free, self.k, self.v, self.k_scale, self.v_scale = saved
+            if undo is not None:
+                undo()
             raise
         self._lens = needed
         return res
