@@ -90,8 +90,6 @@ struct Attention {
   index_t run(index_t j) const { return a.block_table ? a.block_size - j % a.block_size : kNoLimit; }
   const KV* key_row(const Problem& p, index_t j) const { return key + row_at(p, a.koff, a.k_rs, a.k_ps, j); }
   const KV* value_row(const Problem& p, index_t j) const { return value + row_at(p, a.voff, a.v_rs, a.v_ps, j); }
-  T key_scale(const Problem& p, index_t j) const { return T(a.k_scale[row_at(p, a.ksoff, a.ks_rs, a.ks_ps, j)]); }
-  T value_scale(const Problem& p, index_t j) const { return T(a.v_scale[row_at(p, a.vsoff, a.vs_rs, a.vs_ps, j)]); }
   // Rows [j0, j0 + n) of K (or V) asked for into L2, run by run.
   void prefetch_keys(const Problem& p, index_t j0, index_t n) const {
     for (index_t j = j0, e = j0 + n; j < e;) {
@@ -221,13 +219,17 @@ struct Attention {
     for (index_t j = k0, e = k0 + kb; j < e;) {
       const index_t m = min_of<index_t>(e - j, run(j));
       K::convert_rows(keys ? key_row(p, j) : value_row(p, j), rs, m, n, dst + (j - k0) * n, n);
-      if constexpr (kInt8)
+      if constexpr (kInt8) {  // the run's scales are contiguous too, ks_rs / vs_rs apart
+        const float* sc0 = keys ? a.k_scale + row_at(p, a.ksoff, a.ks_rs, a.ks_ps, j)
+                                : a.v_scale + row_at(p, a.vsoff, a.vs_rs, a.vs_ps, j);
+        const index_t srs = keys ? a.ks_rs : a.vs_rs;
         for (index_t r = 0; r < m; ++r) {
-          const T sc = keys ? key_scale(p, j + r) : value_scale(p, j + r);
+          const T sc = T(sc0[r * srs]);
           T* row = dst + (j - k0 + r) * n;
 #pragma omp simd
           for (index_t x = 0; x < n; ++x) row[x] *= sc;
         }
+      }
       j += m;
     }
   }
@@ -661,6 +663,14 @@ struct Attention {
     const KV* vb0 = value + a.voff[pg.bh];
     auto krow = [&](const Slots& s, index_t j) { return kb0 + s.page[j] * a.k_ps + s.slot[j] * a.k_rs; };
     auto vrow = [&](const Slots& s, index_t j) { return vb0 + s.page[j] * a.v_ps + s.slot[j] * a.v_rs; };
+    // int8: the scales of key j, addressed through the same slots as its row
+    const float* ks0 = kInt8 ? a.k_scale + a.ksoff[pg.bh] : nullptr;
+    const float* vs0 = kInt8 ? a.v_scale + a.vsoff[pg.bh] : nullptr;
+    auto kscale = [&](const Slots& s, index_t j) { return T(ks0[s.page[j] * a.ks_ps + s.slot[j] * a.ks_rs]); };
+    auto vscale = [&](const Slots& s, index_t j) { return T(vs0[s.page[j] * a.vs_ps + s.slot[j] * a.vs_rs]); };
+    // Each row's problem (its head's ALiBi slope, its alignment), made once for the chunk.
+    Problem rp[16];  // R = group * Lq <= 16 on this path (use_decode)
+    for (index_t x = 0; x < r.R; ++x) rp[x] = problem(h0 + x / Lq);
     for (index_t k0 = j0, blk = 0; k0 < j1; k0 += DB, ++blk) {
       const index_t kb = min_of<index_t>(DB, j1 - k0), k1 = k0 + PFD * DB, nb = min_of<index_t>(DB, j1 - k1);
       Slots* cur = &ring[blk % (PFD + 1)];
@@ -676,10 +686,10 @@ struct Attention {
           prefetch_rows_l2(vrow(*nxt, j), a.v_rs, 1, Ev);
         }
         K::dot_rows(r.q, E, r.R, krow(*cur, j), E, r.s + j, DB);
-        if constexpr (kInt8) ks[j] = key_scale(pg, k0 + j);
+        if constexpr (kInt8) ks[j] = kscale(*cur, j);
       }
       for (index_t x = 0; x < r.R; ++x) {
-        const Problem p = problem(h0 + x / Lq);
+        const Problem& p = rp[x];
         const index_t qi = x % Lq;
         T* s = r.s + x * DB;
         if constexpr (kInt8)  // q . (scale k) = scale (q . k)
@@ -699,7 +709,7 @@ struct Attention {
         }
       }
       if constexpr (kInt8) {  // sum_j p_j (scale_j v_j): the value scales join P, once l is taken
-        for (index_t j = 0; j < kb; ++j) ks[j] = value_scale(pg, k0 + j);
+        for (index_t j = 0; j < kb; ++j) ks[j] = vscale(*cur, j);
         for (index_t x = 0; x < r.R; ++x)
           for (index_t j = 0; j < kb; ++j) r.s[x * DB + j] *= ks[j];
       }
