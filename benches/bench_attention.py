@@ -11,12 +11,12 @@ decode).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import peers
 import pytest
-from benchutil import assert_close, normal, pyattn_threads, rng_for, run_timed, smoke_mode
+from benchutil import SmokeCase, assert_close, normal, pyattn_threads, rng_for, run_timed, smoke_mode
 
 import pyattn
 from pyattn import reference
@@ -26,7 +26,7 @@ REL_TOL = 2e-5  # float32 result vs the float64 oracle, relative to max |oracle|
 
 
 @dataclass(frozen=True)
-class Case:
+class Case(SmokeCase):
     lead: tuple  # batch axes before the head axis, e.g. (1,) or (2, 1) for 5-D inputs
     hq: int
     lq: int
@@ -42,9 +42,6 @@ class Case:
             object.__setattr__(self, "ev", self.e)
         if not self.hkv:
             object.__setattr__(self, "hkv", self.hq)
-
-    def small(self) -> "Case":
-        return replace(self, **self.smoke, smoke={})
 
     @property
     def gqa(self) -> bool:

@@ -58,12 +58,22 @@ from __future__ import annotations
 import functools
 import re
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import peers
 import pytest
-from benchutil import SETTLE_S, assert_close, normal, pyattn_threads, rng_for, run_timed, smoke_mode
+from benchutil import (
+    SETTLE_S,
+    SmokeCase,
+    assert_close,
+    attention_flops,
+    normal,
+    pyattn_threads,
+    rng_for,
+    run_timed,
+    smoke_mode,
+)
 
 import pyattn
 from pyattn import reference
@@ -84,11 +94,6 @@ def cache_dtype(name: str) -> np.dtype:
             pytest.skip("bfloat16 caches need ml_dtypes (not installed)")
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
-
-
-def attention_flops(b: int, h: int, pairs: float, d: int) -> float:
-    """2 * (E + Ev) FLOPs per (query, key) pair computed, E = Ev = d."""
-    return 4.0 * b * h * pairs * d
 
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
@@ -156,7 +161,7 @@ def check_out(impl: str, out, expected, tol: float, what: str) -> None:
 
 # -------------------------------------------------------------- 1. paged vs contiguous decode
 @dataclass(frozen=True)
-class PagedCase:
+class PagedCase(SmokeCase):
     b: int
     hq: int
     hkv: int
@@ -165,9 +170,6 @@ class PagedCase:
     block: int
     spare: int = 256  # the contiguous cache's room beyond l (Lmax = l + spare)
     smoke: dict = field(default_factory=dict, compare=False, hash=False)
-
-    def small(self) -> "PagedCase":
-        return replace(self, **self.smoke, smoke={})
 
     @property
     def name(self) -> str:
@@ -254,15 +256,12 @@ def test_paged(benchmark, paged_case: PagedCase, impl: str):
 
 # ------------------------------------------------------------------- 2. decode per cache dtype
 @dataclass(frozen=True)
-class DtypeCase:
+class DtypeCase(SmokeCase):
     hq: int
     hkv: int
     lk: int
     d: int
     smoke: dict = field(default_factory=dict, compare=False, hash=False)
-
-    def small(self) -> "DtypeCase":
-        return replace(self, **self.smoke, smoke={})
 
     @property
     def name(self) -> str:
@@ -379,16 +378,13 @@ APPEND_ROUNDS = 20  # timed rounds of the KVCache.attend items (each appends one
 
 
 @dataclass(frozen=True)
-class AppendCase:
+class AppendCase(SmokeCase):
     hq: int
     hkv: int
     d: int
     lens: tuple
     block: int = 16
     smoke: dict = field(default_factory=dict, compare=False, hash=False)
-
-    def small(self) -> "AppendCase":
-        return replace(self, **self.smoke, smoke={})
 
     @property
     def name(self) -> str:
@@ -549,14 +545,11 @@ def test_append(benchmark, append_case: AppendCase, impl: str):
 
 # ----------------------------------------------------------------------------------- 4. varlen
 @dataclass(frozen=True)
-class VarlenCase:
+class VarlenCase(SmokeCase):
     lens: tuple
     h: int
     d: int
     smoke: dict = field(default_factory=dict, compare=False, hash=False)
-
-    def small(self) -> "VarlenCase":
-        return replace(self, **self.smoke, smoke={})
 
     @property
     def name(self) -> str:

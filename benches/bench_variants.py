@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import peers
 import pytest
-from benchutil import assert_close, normal, pyattn_threads, rng_for, run_timed, smoke_mode
+from benchutil import SmokeCase, assert_close, attention_flops, normal, pyattn_threads, rng_for, run_timed, smoke_mode
 
 import pyattn
 from pyattn import reference
@@ -63,11 +63,6 @@ def half_dtype(name: str):
     return np.dtype(ml_dtypes.bfloat16)
 
 
-def attention_flops(b: int, h: int, pairs: float, d: int) -> float:
-    """2 * (E + Ev) FLOPs per (query, key) pair computed, E = Ev = d."""
-    return 4.0 * b * h * pairs * d
-
-
 def causal_window_pairs(lq: int, left) -> int:
     """(query, key) pairs visible with is_causal and window (left, 0), Lq == Lk: sum_i min(i+1, left+1)."""
     i = np.arange(lq, dtype=np.int64)
@@ -76,15 +71,12 @@ def causal_window_pairs(lq: int, left) -> int:
 
 # ----------------------------------------------------------------------------- 1. per variant
 @dataclass(frozen=True)
-class VarCase:
+class VarCase(SmokeCase):
     b: int
     h: int
     l: int
     d: int
     smoke: dict = field(default_factory=dict, compare=False, hash=False)
-
-    def small(self) -> "VarCase":
-        return replace(self, **self.smoke, smoke={})
 
     @property
     def name(self) -> str:
@@ -228,15 +220,12 @@ def test_variants(benchmark, var_case: VarCase, impl: str):
 
 # ------------------------------------------------------------------------ 2. sliding window
 @dataclass(frozen=True)
-class WinCase:
+class WinCase(SmokeCase):
     h: int
     l: int
     d: int
     left: int  # window (left, 0) with is_causal: Mistral's sliding_window = left + 1
     smoke: dict = field(default_factory=dict, compare=False, hash=False)
-
-    def small(self) -> "WinCase":
-        return replace(self, **self.smoke, smoke={})
 
     @property
     def name(self) -> str:
@@ -331,14 +320,11 @@ def test_window(benchmark, win_case: WinCase, impl: str):
 
 # ----------------------------------------------------------------------- 3. decode, half K/V
 @dataclass(frozen=True)
-class DecCase:
+class DecCase(SmokeCase):
     h: int
     lk: int
     d: int
     smoke: dict = field(default_factory=dict, compare=False, hash=False)
-
-    def small(self) -> "DecCase":
-        return replace(self, **self.smoke, smoke={})
 
     @property
     def name(self) -> str:
@@ -436,15 +422,12 @@ def test_decode_half_kv(benchmark, dec_case: DecCase, impl: str):
 
 # ------------------------------------------------------------------------ 4. decode, kv_lens
 @dataclass(frozen=True)
-class KvCase:
+class KvCase(SmokeCase):
     h: int
     lmax: int
     n: int  # kv_lens: the valid keys of the cache
     d: int
     smoke: dict = field(default_factory=dict, compare=False, hash=False)
-
-    def small(self) -> "KvCase":
-        return replace(self, **self.smoke, smoke={})
 
     @property
     def name(self) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import time
 import zlib
+from dataclasses import replace
 
 import numpy as np
 
@@ -76,3 +77,16 @@ def pyattn_threads() -> int:
     import pyattn
 
     return int(pyattn.get_num_threads())
+
+
+class SmokeCase:
+    """Mixin for a benchmark case, a frozen dataclass with a ``smoke`` dict field: ``small()`` is
+    the case with those fields replaced (the shape run under --benchmark-disable)."""
+
+    def small(self):
+        return replace(self, **self.smoke, smoke={})
+
+
+def attention_flops(b: int, h: int, pairs: float, d: int) -> float:
+    """2 * (E + Ev) FLOPs per (query, key) pair computed, E = Ev = d."""
+    return 4.0 * b * h * pairs * d
