@@ -68,6 +68,7 @@ from benchutil import (
     SmokeCase,
     assert_close,
     attention_flops,
+    decode_qkv,
     normal,
     pyattn_threads,
     rng_for,
@@ -296,11 +297,7 @@ DTYPE_IMPLS = tuple(DTYPE_ITEMS)
 @functools.lru_cache(maxsize=1)
 def dtype_inputs(case: DtypeCase):
     """q (1, Hq, 1, D) and the float32 K/V (1, Hkv, Lk, D): also the float32 cache (full)."""
-    rng = rng_for("kvcache-dtype", case.name)
-    q = normal(rng, (1, case.hq, 1, case.d))
-    k = normal(rng, (1, case.hkv, case.lk, case.d))
-    v = normal(rng, (1, case.hkv, case.lk, case.d))
-    return q, k, v
+    return decode_qkv("kvcache-dtype", case.name, case.hq, case.hkv, case.lk, case.d)
 
 
 @functools.lru_cache(maxsize=1)

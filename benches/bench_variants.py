@@ -40,7 +40,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import peers
 import pytest
-from benchutil import SmokeCase, assert_close, attention_flops, normal, pyattn_threads, rng_for, run_timed, smoke_mode
+from benchutil import (
+    SmokeCase,
+    assert_close,
+    attention_flops,
+    decode_qkv,
+    normal,
+    pyattn_threads,
+    rng_for,
+    run_timed,
+    smoke_mode,
+)
 
 import pyattn
 from pyattn import reference
@@ -344,11 +354,7 @@ DEC_IMPLS = ("pyattn", "pyattn+f16kv", "pyattn+bf16kv", "torch", "torch_bf16", "
 
 @functools.lru_cache(maxsize=1)
 def dec_inputs(case: DecCase):
-    rng = rng_for("variants-decode-half", case.name)
-    q = normal(rng, (1, case.h, 1, case.d))
-    k = normal(rng, (1, case.h, case.lk, case.d))
-    v = normal(rng, (1, case.h, case.lk, case.d))
-    return q, k, v
+    return decode_qkv("variants-decode-half", case.name, case.h, case.h, case.lk, case.d)
 
 
 @functools.lru_cache(maxsize=3)

@@ -90,3 +90,9 @@ class SmokeCase:
 def attention_flops(b: int, h: int, pairs: float, d: int) -> float:
     """2 * (E + Ev) FLOPs per (query, key) pair computed, E = Ev = d."""
     return 4.0 * b * h * pairs * d
+
+
+def decode_qkv(tag: str, name: str, hq: int, hkv: int, lk: int, d: int):
+    """A decode step's float32 inputs, seeded by (tag, name): q (1, Hq, 1, D), k and v (1, Hkv, Lk, D)."""
+    rng = rng_for(tag, name)
+    return normal(rng, (1, hq, 1, d)), normal(rng, (1, hkv, lk, d)), normal(rng, (1, hkv, lk, d))
