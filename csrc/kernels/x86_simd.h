@@ -1,5 +1,6 @@
 // The x86 kernels written once over a per-ISA vector type `Ops` and instantiated by the AVX2
-// and AVX-512 translation units (inside each one's namespace, compiled with its own flags).
+// and AVX-512 translation units (inside each one's namespace, compiled with its own flags); the
+// AArch64 NEON unit instantiates them too (nothing here is x86-specific but the name).
 //
 // Ops provides: T, V (vector), Mask, L (lanes); mask(n) for lanes [0, n); load, maskload,
 // store, maskstore, set1, zero, add, sub, mul, div, max, fma, abs, copysign, select_lt (a < b ?
@@ -72,6 +73,13 @@ static inline typename Ops::V load_as_n(typename Ops::Mask m, int n, const S* p)
 }
 
 // ------------------------------------------------------------------ GEMM register tile
+// An Ops may bring its own k loop, Ops::kloop<NV, M>(acc, k, a, rsa, csa, b, ldb) (NEON multiplies
+// by a vector lane where x86 broadcasts); gemm_regtile then runs it in place of its own.
+template <class Ops, class = void>
+struct has_kloop : std::false_type {};
+template <class Ops>
+struct has_kloop<Ops, std::void_t<decltype(&Ops::template kloop<1, 1>)>> : std::true_type {};
+
 // acc[M][NV] = A[M x k] B[k x NV*L]: M rows of A are broadcast (A read through rsa, csa), NV
 // vectors of B are loaded per k step (rows ldb apart), M*NV accumulators stay in registers and
 // are handed to the epilogue `epi`, inlined, so that they never leave the registers in between.
@@ -86,6 +94,10 @@ static inline __attribute__((always_inline)) void gemm_regtile(index_t k, const 
   for (int r = 0; r < M; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[r][v] = Ops::zero();
+  if constexpr (has_kloop<Ops>::value) {
+    Ops::template kloop<NV, M>(acc, k, a, rsa, csa, b, ldb);
+    return epi(acc);
+  }
   for (index_t p = 0; p < k; ++p) {
     V bv[NV];
 #pragma GCC unroll 4
