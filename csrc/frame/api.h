@@ -6,6 +6,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace pyattn {
 
@@ -100,10 +101,12 @@ struct IsaTable {
 extern const IsaTable isa_generic;
 extern const IsaTable isa_avx2;
 extern const IsaTable isa_avx512;
+extern const IsaTable isa_neon;  // AArch64 only
 
 // Process-wide state, defined in frame/dispatch.cpp (compiled for the baseline ISA only).
 const IsaTable& active_isa();
 bool set_active_isa(const char* name);  // false if unknown or unsupported by this CPU
+std::string isa_reason();               // why the kernel set in use was chosen, in words
 int isa_supported(const char* name);
 int default_num_threads();
 int get_num_threads();

@@ -9,29 +9,24 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <string>
 
 namespace pyattn {
 
 namespace {
 
+#if defined(PYATTN_HAVE_X86)  // cpuid: only an x86 build asks (other targets have no such flags)
 bool cpu_has_avx2() {
-#if defined(PYATTN_HAVE_X86)
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-  return false;
-#endif
 }
 
 bool cpu_has_avx512() {
-#if defined(PYATTN_HAVE_X86)
   __builtin_cpu_init();
   return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-#else
-  return false;
-#endif
 }
+#endif
 
 const IsaTable* table_for(const char* name) {
   if (std::strcmp(name, "generic") == 0) return &isa_generic;
@@ -39,20 +34,48 @@ const IsaTable* table_for(const char* name) {
   if (std::strcmp(name, "avx2") == 0) return cpu_has_avx2() ? &isa_avx2 : nullptr;
   if (std::strcmp(name, "avx512") == 0) return cpu_has_avx512() ? &isa_avx512 : nullptr;
 #endif
+#if defined(PYATTN_HAVE_NEON)
+  if (std::strcmp(name, "neon") == 0) return &isa_neon;  // Advanced SIMD: every AArch64 CPU has it
+#endif
   return nullptr;
 }
+
+// Why the kernel set in use was chosen (show_config prints it), set with the choice; and whether
+// PYATTN_ISA named a set that this CPU cannot run (the default was taken instead).
+std::atomic<const char*> g_reason{""};
+std::atomic<bool> g_env_rejected{false};
 
 const IsaTable* best_table() {
   // PYATTN_ISA forces a path; an unknown or unsupported name falls back to the best one and
   // the Python layer reports it (it checks the variable against available_isas()).
-  if (const char* env = std::getenv("PYATTN_ISA")) {
-    if (const IsaTable* t = table_for(env)) return t;
+  const char* env = std::getenv("PYATTN_ISA");
+  if (env) {
+    if (const IsaTable* t = table_for(env)) {
+      g_reason.store("forced by PYATTN_ISA");
+      return t;
+    }
+    g_env_rejected.store(true);
   }
+  const char* why;
+  const IsaTable* t = &isa_generic;
 #if defined(PYATTN_HAVE_X86)
-  if (cpu_has_avx512()) return &isa_avx512;
-  if (cpu_has_avx2()) return &isa_avx2;
+  if (cpu_has_avx512()) {
+    t = &isa_avx512;
+    why = "the CPU has AVX-512 F/DQ/BW/VL";
+  } else if (cpu_has_avx2()) {
+    t = &isa_avx2;
+    why = "the CPU has AVX2 and FMA but not AVX-512 F/DQ/BW/VL";
+  } else {
+    why = "the CPU lacks AVX2 or FMA: portable C++ kernels, several times slower";
+  }
+#elif defined(PYATTN_HAVE_NEON)
+  t = &isa_neon;
+  why = "AArch64: Advanced SIMD (NEON) is part of every AArch64 CPU";
+#else
+  why = "no SIMD kernels for this architecture: portable C++ kernels, several times slower";
 #endif
-  return &isa_generic;
+  g_reason.store(why);
+  return t;
 }
 
 std::atomic<const IsaTable*> g_isa{nullptr};
@@ -82,8 +105,17 @@ const IsaTable& active_isa() {
 bool set_active_isa(const char* name) {
   const IsaTable* t = table_for(name);
   if (!t) return false;
+  g_reason.store("set by set_isa()");
+  g_env_rejected.store(false);
   g_isa.store(t, std::memory_order_release);
   return true;
+}
+
+std::string isa_reason() {
+  active_isa();  // the choice, and its reason, are made on first use
+  std::string why = g_reason.load();
+  if (g_env_rejected.load()) why = "PYATTN_ISA names no kernel set this CPU can run, so the default: " + why;
+  return why;
 }
 
 int isa_supported(const char* name) { return table_for(name) != nullptr; }
