@@ -6,6 +6,8 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -98,6 +100,175 @@ void check_same_dtype(const py::array& ref, std::initializer_list<std::pair<cons
 #else
 constexpr bool kDebugChecks = false;
 #endif
+
+// ----------------------------------------------------------------------------- small calls
+// scaled_dot_product_attention's everyday call, whole: NumPy float32 or float64 arrays of one
+// dtype and one leading shape (grouped-query heads allowed), unit feature stride, no mask, no
+// score variant, a new output. The general Python path spends ~14 us a call on broadcasting,
+// strides and offsets, against a decode step's few microseconds of kernel, so this one is C,
+// called through METH_FASTCALL (pybind11's argument dispatch alone costs ~1 us).
+// It declines (returns None) anything else, and the Python layer, which is the definition of the
+// contract and of every error message, takes over; so it never raises but MemoryError. It passes
+// the kernel exactly the arguments the Python path would: results are bitwise the same.
+namespace small {
+
+struct View {
+  char* data;
+  int nd, typenum;
+  Py_ssize_t itemsize;
+  const Py_ssize_t *shape, *strides;
+};
+
+constexpr int kFloat32 = 11, kFloat64 = 12;  // NPY_FLOAT, NPY_DOUBLE
+constexpr int kMaxDims = 64;                 // NumPy 2's NPY_MAXDIMS (32 before)
+
+// A plain ndarray of native float32/float64, aligned, strides in whole elements, unit feature
+// stride, at least `min_nd` axes, nothing empty.
+bool view_of(PyObject* o, int min_nd, View& v) {
+  const auto& api = py::detail::npy_api::get();
+  if (Py_TYPE(o) != api.PyArray_Type_) return false;
+  const auto* p = py::detail::array_proxy(o);
+  const auto* d = py::detail::array_descriptor_proxy(p->descr);
+  if ((d->type_num != kFloat32 && d->type_num != kFloat64) || d->byteorder != '=') return false;
+  v = View{p->data, p->nd, d->type_num, d->type_num == kFloat32 ? 4 : 8, p->dimensions, p->strides};
+  if (v.nd < min_nd || reinterpret_cast<std::uintptr_t>(v.data) % v.itemsize) return false;
+  for (int i = 0; i < v.nd; ++i)
+    if (v.shape[i] == 0 || v.strides[i] % v.itemsize) return false;
+  return v.shape[v.nd - 1] == 1 || v.strides[v.nd - 1] == v.itemsize;
+}
+
+index_t elems(const View& v, int axis) { return index_t(v.strides[axis] / v.itemsize); }
+
+// Element offsets of every matrix of `a` over its first `nlead` axes, in C order, each repeated
+// `repeat` times along the last of them (grouped-query heads): _validate.lead_offsets.
+void lead_offsets(const View& a, int nlead, index_t repeat, std::vector<index_t>& off) {
+  off.assign(1, 0);
+  for (int ax = 0; ax < nlead; ++ax) {
+    const index_t n = a.shape[ax], s = elems(a, ax), r = ax == nlead - 1 ? repeat : 1;
+    std::vector<index_t> next;
+    next.reserve(off.size() * std::size_t(n * r));
+    for (const index_t o : off)
+      for (index_t i = 0; i < n; ++i)
+        for (index_t j = 0; j < r; ++j) next.push_back(o + i * s);
+    off.swap(next);
+  }
+}
+
+int flag(PyObject* o) { return o == Py_True ? 1 : o == Py_False ? 0 : -1; }
+
+PyObject* new_array(int typenum, int nd, const Py_ssize_t* dims) {
+  const auto& api = py::detail::npy_api::get();
+  return api.PyArray_NewFromDescr_(api.PyArray_Type_, api.PyArray_DescrFromType_(typenum), nd,
+                                   const_cast<Py_ssize_t*>(dims), nullptr, nullptr, 0, nullptr);
+}
+
+// sdpa_small(query, key, value, is_causal, causal_align, scale, enable_gqa, return_lse)
+PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 8) {
+    PyErr_SetString(PyExc_TypeError, "sdpa_small takes 8 positional arguments");
+    return nullptr;
+  }
+  const int causal = flag(args[3]), gqa = flag(args[6]), want_lse = flag(args[7]);
+  if (causal < 0 || gqa < 0 || want_lse < 0 || !PyUnicode_CheckExact(args[4])) Py_RETURN_NONE;
+  const int bottom_right = PyUnicode_CompareWithASCIIString(args[4], "bottom_right") == 0 ? 1
+                           : PyUnicode_CompareWithASCIIString(args[4], "top_left") == 0   ? 0
+                                                                                          : -1;
+  if (bottom_right < 0) Py_RETURN_NONE;
+  View q, k, v;
+  const int min_nd = gqa ? 3 : 2;
+  if (!view_of(args[0], min_nd, q) || !view_of(args[1], min_nd, k) || !view_of(args[2], min_nd, v)) Py_RETURN_NONE;
+  if (k.typenum != q.typenum || v.typenum != q.typenum || k.nd != q.nd || v.nd != q.nd) Py_RETURN_NONE;
+  const int nd = q.nd, nlead = nd - 2, nouter = gqa ? nd - 3 : nlead;
+  for (int i = 0; i < nouter; ++i)
+    if (k.shape[i] != q.shape[i] || v.shape[i] != q.shape[i]) Py_RETURN_NONE;
+  index_t group = 1;
+  if (gqa) {
+    const index_t Hq = q.shape[nd - 3], Hkv = k.shape[nd - 3];
+    if (v.shape[nd - 3] != Hkv || Hq % Hkv) Py_RETURN_NONE;
+    group = Hq / Hkv;
+  }
+  const index_t Lq = q.shape[nd - 2], E = q.shape[nd - 1], Lk = k.shape[nd - 2], Ev = v.shape[nd - 1];
+  if (k.shape[nd - 1] != E || v.shape[nd - 2] != Lk) Py_RETURN_NONE;
+  double scale;
+  if (args[5] == Py_None) {
+    scale = 1.0 / std::sqrt(double(E));
+  } else if (PyFloat_Check(args[5])) {  // numpy.float64 too
+    scale = PyFloat_AS_DOUBLE(args[5]);
+  } else if (PyLong_CheckExact(args[5])) {
+    scale = PyLong_AsDouble(args[5]);
+    if (scale == -1.0 && PyErr_Occurred()) {  // too large: Python's float() says so
+      PyErr_Clear();
+      Py_RETURN_NONE;
+    }
+  } else {
+    Py_RETURN_NONE;
+  }
+
+  try {
+    Py_ssize_t dims[kMaxDims];
+    for (int i = 0; i < nlead; ++i) dims[i] = q.shape[i];
+    dims[nlead] = Lq;
+    dims[nlead + 1] = Ev;
+    py::object out = py::reinterpret_steal<py::object>(new_array(q.typenum, nd, dims));
+    if (!out) throw py::error_already_set();
+    py::object lse = py::none();
+    if (want_lse) {
+      lse = py::reinterpret_steal<py::object>(new_array(q.typenum, nd - 1, dims));
+      if (!lse) throw py::error_already_set();
+    }
+    // Reused from call to call (per calling thread): a decode loop allocates nothing here.
+    thread_local std::vector<index_t> qoff, koff, voff, ooff, lseoff;
+    lead_offsets(q, nlead, 1, qoff);
+    lead_offsets(k, nlead, group, koff);
+    lead_offsets(v, nlead, group, voff);
+    const index_t bh = index_t(qoff.size());
+    ooff.resize(std::size_t(bh));
+    for (index_t i = 0; i < bh; ++i) ooff[std::size_t(i)] = i * Lq * Ev;
+    if (want_lse) {
+      lseoff.resize(std::size_t(bh));
+      for (index_t i = 0; i < bh; ++i) lseoff[std::size_t(i)] = i * Lq;
+    }
+    void* out_data = py::detail::array_proxy(out.ptr())->data;
+    void* lse_data = want_lse ? py::detail::array_proxy(lse.ptr())->data : nullptr;
+    // clang-format off: one line per pointer and its strides, as in api.h
+    pyattn::AttnArgs a{bh, Lq, Lk, E, Ev, group,
+                       q.data, qoff.data(), elems(q, nd - 2), k.data, koff.data(), elems(k, nd - 2),
+                       v.data, voff.data(), elems(v, nd - 2),
+                       out_data, ooff.data(), Ev,
+                       pyattn::MaskKind::none, nullptr, nullptr, 0, 0,
+                       lse_data, want_lse ? lseoff.data() : nullptr, 1,
+                       nullptr, nullptr, Lk,
+                       scale, causal == 1, bottom_right == 1,
+                       0.0, nullptr, nullptr, pyattn::kNoLimit, pyattn::kNoLimit, nullptr,
+                       nullptr,
+                       nullptr, nullptr, 0, 0, 0,
+                       nullptr, nullptr, 0, 0,
+                       nullptr, nullptr, 0, 0,
+                       pyattn::get_num_threads()};
+    // clang-format on
+    {
+      py::gil_scoped_release nogil;
+      pyattn::active_isa().attention[q.typenum == kFloat32 ? 0 : 1](a);
+    }
+    if (!want_lse) return out.release().ptr();
+    return PyTuple_Pack(2, out.ptr(), lse.ptr());
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
+PyMethodDef sdpa_def = {
+    "sdpa_small", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&sdpa)), METH_FASTCALL,
+    "sdpa_small(query, key, value, is_causal, causal_align, scale, enable_gqa, return_lse) -> object\n\n"
+    "scaled_dot_product_attention's common case in C (plain float arrays of one dtype and leading shape, no mask or "
+    "variant, a new output): the output (and lse), or None when the call is not that case."};
+
+}  // namespace small
 
 std::string compiler() {
 #if defined(__clang__)
@@ -258,6 +429,7 @@ PYBIND11_MODULE(_core, m) {
       py::arg("v_ps"), py::arg("k_scale").none(true), py::arg("ksoff").none(true), py::arg("ks_rs"), py::arg("ks_ps"),
       py::arg("v_scale").none(true), py::arg("vsoff").none(true), py::arg("vs_rs"), py::arg("vs_ps"));
 
+  m.add_object("sdpa_small", py::reinterpret_steal<py::object>(PyCFunction_NewEx(&small::sdpa_def, nullptr, nullptr)));
   m.def("isa", [] { return std::string(pyattn::active_isa().name); }, "Name of the kernel set in use.");
   m.def(
       "set_isa", [](const std::string& name) { return pyattn::set_active_isa(name.c_str()); }, py::arg("name"),

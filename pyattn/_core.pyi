@@ -116,6 +116,16 @@ def attention(
     (likewise v and the int8 scales, float32, at ksoff/ks_rs/ks_ps and vsoff/vs_rs/vs_ps).
     weights, if given, must be zero-filled."""
 
+def sdpa_small(
+    query: object,
+    key: object,
+    value: object,
+    is_causal: object,
+    causal_align: object,
+    scale: object,
+    enable_gqa: object,
+    return_lse: object,
+) -> object: ...
 def isa() -> str: ...
 def set_isa(name: str) -> bool: ...
 def available_isas() -> list[str]: ...

@@ -1,0 +1,227 @@
+"""The small-call fast path (``_core.sdpa_small``): the everyday call handled whole in C.
+
+It must give bitwise what the general Python path gives, take every call it is meant for, and
+decline (return None) everything else, so that the general path's checks and error messages stay
+the only definition of the contract."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pyattn
+from pyattn import _api, _core, reference
+
+
+def _general(monkeypatch, *args, **kwargs):
+    """The public function with the fast path switched off."""
+    with monkeypatch.context() as mp:
+        mp.setattr(_api, "_sdpa_small", lambda *a: None)
+        return pyattn.scaled_dot_product_attention(*args, **kwargs)
+
+
+def _small(q, k, v, is_causal=False, causal_align="top_left", scale=None, enable_gqa=False, return_lse=False):
+    return _core.sdpa_small(q, k, v, is_causal, causal_align, scale, enable_gqa, return_lse)
+
+
+def _qkv(rng, lead, Lq, Lk, E, Ev, dtype=np.float32, hkv=None):
+    kv_lead = lead if hkv is None else lead[:-1] + (hkv,)
+    q = rng.standard_normal(lead + (Lq, E)).astype(dtype)
+    k = rng.standard_normal(kv_lead + (Lk, E)).astype(dtype)
+    v = rng.standard_normal(kv_lead + (Lk, Ev)).astype(dtype)
+    return q, k, v
+
+
+SHAPES = [
+    ((1, 1), 1, 16, 64, 64),  # the smallest decode step
+    ((1, 12), 1, 128, 64, 64),  # GPT-2 small, one token
+    ((4, 12), 1, 300, 64, 64),
+    ((2, 3), 7, 33, 16, 24),  # odd sizes, E != Ev
+    ((3,), 70, 129, 8, 8),  # tile edges, one leading axis
+    ((), 5, 9, 4, 4),  # no leading axis
+    ((2, 2, 3), 4, 17, 8, 5),  # 5-D
+]
+
+
+@pytest.mark.parametrize("lead, Lq, Lk, E, Ev", SHAPES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("causal, align", [(False, "top_left"), (True, "top_left"), (True, "bottom_right")])
+def test_bitwise_equal_to_the_general_path(monkeypatch, isa, lead, Lq, Lk, E, Ev, dtype, causal, align):
+    rng = np.random.default_rng(Lq * 1000 + Lk)
+    q, k, v = _qkv(rng, lead, Lq, Lk, E, Ev, dtype)
+    got = _small(q, k, v, causal, align, None, False, True)
+    assert got is not None, "the fast path declined an everyday call"
+    out, lse = got
+    want_out, want_lse = _general(monkeypatch, q, k, v, is_causal=causal, causal_align=align, return_lse=True)
+    assert out.dtype == want_out.dtype == dtype and out.shape == want_out.shape
+    assert out.flags.c_contiguous and lse.flags.c_contiguous
+    np.testing.assert_array_equal(out, want_out)
+    np.testing.assert_array_equal(lse, want_lse)
+    ref = reference.scaled_dot_product_attention(q, k, v, is_causal=causal, causal_align=align)
+    np.testing.assert_allclose(out, ref, rtol=1e-4 if dtype == np.float32 else 1e-10, atol=1e-5)
+
+
+@pytest.mark.parametrize("Hq, Hkv", [(8, 2), (32, 8), (4, 4), (6, 1)])
+def test_grouped_query_heads(monkeypatch, Hq, Hkv):
+    rng = np.random.default_rng(Hq + Hkv)
+    q, k, v = _qkv(rng, (2, Hq), 1, 200, 32, 32, hkv=Hkv)
+    out = _small(q, k, v, False, "top_left", 0.3, True, False)
+    assert out is not None
+    np.testing.assert_array_equal(out, _general(monkeypatch, q, k, v, scale=0.3, enable_gqa=True))
+    # the public function takes the fast path and gives the same
+    np.testing.assert_array_equal(pyattn.scaled_dot_product_attention(q, k, v, scale=0.3, enable_gqa=True), out)
+
+
+def test_strided_views_and_scales(monkeypatch):
+    """Leading and row strides of any sign are the kernel's to read, as in the general path."""
+    rng = np.random.default_rng(5)
+    base = rng.standard_normal((6, 4, 120, 16)).astype(np.float32)
+    q = base[::2, ::-1, 3:10]  # strided batch, reversed heads, a row slice
+    k = base[1::2, :, 79::-2]  # reversed, strided rows
+    k = np.ascontiguousarray(k.transpose(1, 0, 2, 3)).transpose(1, 0, 2, 3)  # leading axes not in C order
+    v = base[:6:2, :, ::3]  # strided rows
+    for scale in (None, 0.25, 2, np.float64(0.5)):
+        got = _small(q, k, v, True, "bottom_right", scale, False, False)
+        assert got is not None, scale
+        want = _general(monkeypatch, q, k, v, is_causal=True, causal_align="bottom_right", scale=scale)
+        np.testing.assert_array_equal(got, want)
+
+
+def _decline_cases():
+    rng = np.random.default_rng(0)
+    q, k, v = _qkv(rng, (2, 4), 3, 8, 16, 16)
+    f16 = lambda a: a.astype(np.float16)  # noqa: E731
+    cases = {
+        "broadcast batch": (q, k[:1], v[:1], {}),
+        "fewer axes": (q, k[0], v[0], {}),
+        "mixed dtypes": (q, k.astype(np.float64), v, {}),
+        "float16 key/value": (q, f16(k), f16(v), {}),
+        "float16 query": (f16(q), k, v, {}),
+        "strided feature axis": (q, np.repeat(k, 2, axis=-1)[..., ::2], v, {}),
+        "big-endian": (q.astype(">f4"), k, v, {}),
+        "a list": (q.tolist(), k, v, {}),
+        "a subclass": (q.view(np.matrix) if q.ndim == 2 else q.view(_Sub), k, v, {}),
+        "empty keys": (q, k[:, :, :0], v[:, :, :0], {}),
+        "no queries": (q[:, :, :0], k, v, {}),
+        "integer is_causal": (q, k, v, {"is_causal": 1}),
+        "unknown causal_align": (q, k, v, {"causal_align": "diagonal"}),
+        "float32 scale": (q, k, v, {"scale": np.float32(0.5)}),
+        "huge int scale": (q, k, v, {"scale": 10**400}),
+        "string scale": (q, k, v, {"scale": "0.5"}),
+        "gqa not a multiple": (q, k[:, :3], v[:, :3], {"enable_gqa": True}),
+        "gqa without heads": (q[0, 0], k[0, 0], v[0, 0], {"enable_gqa": True}),
+        "key feature size": (q, k[..., :8], v, {}),
+        "value length": (q, k, v[:, :, :5], {}),
+        "integer return_lse": (q, k, v, {"return_lse": 1}),
+    }
+    misaligned = np.frombuffer(b"\0" + q.tobytes(), np.uint8)[1:].view(np.float32).reshape(q.shape)
+    cases["misaligned"] = (misaligned, k, v, {})
+    return cases
+
+
+class _Sub(np.ndarray):
+    pass
+
+
+@pytest.mark.parametrize("name", sorted(_decline_cases()))
+def test_declines_what_it_is_not_for(monkeypatch, name):
+    """Every other call returns None from the fast path, and the public function gives what the
+    general path gives: the same result or the same error."""
+    q, k, v, kw = _decline_cases()[name]
+    args = dict(is_causal=False, causal_align="top_left", scale=None, enable_gqa=False, return_lse=False) | kw
+    assert _core.sdpa_small(q, k, v, *args.values()) is None
+    try:
+        want = _general(monkeypatch, q, k, v, **kw)
+    except Exception as e:  # noqa: BLE001 - the same error, whatever it is
+        with pytest.raises(type(e), match=None) as got:
+            pyattn.scaled_dot_product_attention(q, k, v, **kw)
+        assert str(got.value) == str(e)
+        return
+    got = pyattn.scaled_dot_product_attention(q, k, v, **kw)
+    if isinstance(want, tuple):
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"attn_mask": np.ones((3, 8), bool)},
+        {"window": (2, 0)},
+        {"softcap": 5.0},
+        {"alibi_slopes": np.ones(4)},
+        {"sinks": np.zeros(4)},
+        {"kv_lens": np.array([8, 5])},
+        {"return_weights": True},
+        {"out": np.empty((2, 4, 3, 16), np.float32)},
+    ],
+    ids=lambda kw: next(iter(kw)),
+)
+def test_keywords_outside_the_fast_path_reach_the_general_path(monkeypatch, kw):
+    calls = []
+    real = _api._sdpa_small
+    monkeypatch.setattr(_api, "_sdpa_small", lambda *a: calls.append(a) or real(*a))
+    rng = np.random.default_rng(1)
+    q, k, v = _qkv(rng, (2, 4), 3, 8, 16, 16)
+    got = pyattn.scaled_dot_product_attention(q, k, v, **kw)
+    assert not calls
+    ref = reference.scaled_dot_product_attention(q, k, v, **{n: x for n, x in kw.items() if n != "out"})
+    for g, r in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,)):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
+
+
+def test_the_public_function_takes_it(monkeypatch):
+    calls = []
+    real = _api._sdpa_small
+    monkeypatch.setattr(_api, "_sdpa_small", lambda *a: calls.append(a) or real(*a))
+    q, k, v = _qkv(np.random.default_rng(2), (1, 12), 1, 128, 64, 64)
+    pyattn.scaled_dot_product_attention(q, k, v)
+    pyattn.scaled_dot_product_attention(q, k, v, is_causal=True, causal_align="bottom_right", return_lse=True)
+    assert len(calls) == 2
+
+
+def test_wrong_argument_count_is_a_type_error():
+    with pytest.raises(TypeError, match="8 positional"):
+        _core.sdpa_small(1, 2, 3)
+
+
+def test_threads_and_results_do_not_depend_on_the_thread_count():
+    q, k, v = _qkv(np.random.default_rng(3), (2, 8), 1, 4096, 64, 64)
+    with pyattn.num_threads(1):
+        one = pyattn.scaled_dot_product_attention(q, k, v)
+    with pyattn.num_threads(2):
+        two = pyattn.scaled_dot_product_attention(q, k, v)
+    np.testing.assert_array_equal(one, two)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lead=st.lists(st.integers(1, 3), min_size=0, max_size=3).map(tuple),
+    Lq=st.integers(1, 20),
+    Lk=st.integers(1, 80),
+    E=st.integers(1, 40),
+    Ev=st.integers(1, 40),
+    causal=st.booleans(),
+    bottom_right=st.booleans(),
+    f64=st.booleans(),
+    lse=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_property_bitwise_equal(lead, Lq, Lk, E, Ev, causal, bottom_right, f64, lse, seed):
+    dtype = np.float64 if f64 else np.float32
+    q, k, v = _qkv(np.random.default_rng(seed), lead, Lq, Lk, E, Ev, dtype)
+    align = "bottom_right" if bottom_right else "top_left"
+    got = _small(q, k, v, causal, align, None, False, lse)
+    assert got is not None
+    real = _api._sdpa_small
+    _api._sdpa_small = lambda *a: None
+    try:
+        want = pyattn.scaled_dot_product_attention(q, k, v, is_causal=causal, causal_align=align, return_lse=lse)
+    finally:
+        _api._sdpa_small = real
+    for g, w in zip(got if lse else (got,), want if lse else (want,)):
+        np.testing.assert_array_equal(g, w)
