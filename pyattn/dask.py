@@ -62,19 +62,19 @@ def _visible(n: int, nk: int, d: int, L: Optional[int], R: Optional[int]):
     return a, b, c, e
 
 
-def _window(n: int, nk: int, d: int, L, R):
-    """The ``window=`` that gives offset-d visibility to pyattn's top-left frame (offset 0), None
-    sides where the window cuts nothing in the rectangle. Callers have sliced the rectangle to
-    its visible part, so both sides are >= 0."""
-    left = None if L is None else L - d
-    right = None if R is None else R + d
-    if left is not None and left >= n - 1:
+def _window(n: int, nk: int, d: int, L, R, off: int = 0):
+    """The ``window=`` that gives offset-d visibility to a pyattn call aligned at ``off`` (0 for
+    top-left, nk - n for bottom-right), with None for a side that cuts nothing in the rectangle.
+    Callers have sliced the rectangle to its visible part, so both sides are >= 0."""
+    left = None if L is None else L - d + off
+    right = None if R is None else R + d - off
+    if left is not None and n - 1 + off - left <= 0:  # the last row's left edge is at key 0 or before
         left = None
-    if right is not None and right >= nk - 1:
+    if right is not None and off + right >= nk - 1:  # the first row's right edge is at the last key or after
         right = None
     if left is None and right is None:
         return None
-    assert (left is None or left >= 0) and (right is None or right >= 0), (n, nk, d, L, R)
+    assert (left is None or left >= 0) and (right is None or right >= 0), (n, nk, d, L, R, off)
     return (left, right)
 
 
@@ -162,7 +162,7 @@ def _attend_rect(q, k, v, m, d, slopes, kv_lens, p: "_Piece"):
     if slopes is None or d == 0:
         return _call(q, k, v, m, _window(n, nk, d, p.L, p.R), slopes, kv_lens, p)
     if kv_lens is None and d == nk - n:  # bottom-right's own offset: the window keeps its sides
-        return _call(q, k, v, m, _window(n, nk, 0, p.L, p.R), slopes, None, p, bottom_right=True)
+        return _call(q, k, v, m, _window(n, nk, d, p.L, p.R, d), slopes, None, p, bottom_right=True)
     if d >= nk - 1 or d <= 1 - n:
         return _alibi_one_side(q, k, v, m, d, slopes, kv_lens, p)
     if d > 0:  # keys [0, d) lie wholly below the diagonal; keys [d, nk) start on it

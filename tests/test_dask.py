@@ -1,0 +1,486 @@
+"""pyattn.dask on a real distributed.LocalCluster (2 worker processes x 1 thread): every chunking
+equals the single-process pyattn call, the graph never hands a task more than one key chunk,
+hidden blocks are not scheduled, a killed worker changes nothing, and bad inputs raise."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+import pyattn
+
+pytestmark = pytest.mark.integration
+
+dask = pytest.importorskip("dask")
+da = pytest.importorskip("dask.array")
+distributed = pytest.importorskip("distributed")
+
+import pyattn.dask as pdask  # noqa: E402
+
+TOL = {np.dtype(np.float32): 1e-6, np.dtype(np.float64): 1e-12}
+
+
+@pytest.fixture(scope="module")
+def client():
+    import cloudpickle
+
+    # The workers are other processes: the helpers defined here travel by value, not by a module
+    # name they could not import.
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the cluster's own start-up notices
+        cluster = distributed.LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None, silence_logs=40
+        )
+    c = distributed.Client(cluster)
+    try:
+        yield c
+    finally:
+        c.close()
+        cluster.close()
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+def _rng(seed):
+    return np.random.default_rng(seed)
+
+
+def _close(actual, expected, what):
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    assert actual.dtype == expected.dtype, (what, actual.dtype, expected.dtype)
+    fin = np.isfinite(expected)
+    assert np.array_equal(fin, np.isfinite(actual)), f"{what}: non-finite entries differ"
+    assert np.array_equal(actual[~fin], expected[~fin]), f"{what}: -inf/inf entries differ"
+    if fin.any():
+        scale = max(np.abs(expected[fin]).max(), 1.0 if what.endswith("lse") else 1e-30)
+        err = np.abs(actual[fin] - expected[fin]).max() / scale
+        assert err <= TOL[expected.dtype], f"{what}: relative error {err:.3g} > {TOL[expected.dtype]}"
+
+
+def _case(q, k, v, chunks_q, chunks_kv, mask=None, mask_chunks=None, **kw):
+    """The lazy Dask call on chunked copies of q, k, v (and the mask), and the NumPy call."""
+    dq = da.from_array(q, chunks=chunks_q)
+    dk = da.from_array(k, chunks=chunks_kv)
+    dv = da.from_array(v, chunks=chunks_kv[:-1] + (v.shape[-1],))
+    dm = da.from_array(mask, chunks=mask_chunks) if mask_chunks is not None else mask
+    out, lse = pdask.scaled_dot_product_attention(dq, dk, dv, dm, return_lse=True, **kw)
+    assert isinstance(out, da.Array) and isinstance(lse, da.Array)
+    kw.pop("split_every", None)
+    ro, rl = pyattn.scaled_dot_product_attention(q, k, v, mask, return_lse=True, **kw)
+    # the lazy arrays' metadata tell the truth before anything is computed
+    assert out.shape == ro.shape and out.dtype == ro.dtype and lse.shape == rl.shape and lse.dtype == rl.dtype
+    return out, lse, ro, rl
+
+
+def _verify(client, cases: dict):
+    """Computes every case in one go on the cluster (one round trip) and compares each."""
+    lazy = [x for c in cases.values() for x in c[:2]]
+    got = client.compute(lazy, sync=True)
+    for t, (name, (_, _, ro, rl)) in enumerate(cases.items()):
+        _close(got[2 * t], ro, f"{name}: output")
+        _close(got[2 * t + 1], rl, f"{name}: lse")
+
+
+def _check(client, *args, **kw):
+    out, lse, ro, rl = case = _case(*args, **kw)
+    _verify(client, {"case": case})
+    return out
+
+
+def _qkv(shape_q, shape_k, ev=None, dtype=np.float32, seed=0):
+    rng = _rng(seed)
+    q = rng.standard_normal(shape_q).astype(dtype)
+    k = rng.standard_normal(shape_k).astype(dtype)
+    v = rng.standard_normal(shape_k[:-1] + (ev or shape_k[-1],)).astype(dtype)
+    return q, k, v
+
+
+B, H, LQ, LK, E = 2, 4, 48, 61, 16
+# (query chunks, key/value chunks) over (B, H, L, E): batch, heads, Lk (2 to 8 uneven), Lq, mixed
+CHUNKINGS = {
+    "whole": ((B, H, LQ, E), (B, H, LK, E)),
+    "batch": ((1, H, LQ, E), (1, H, LK, E)),
+    "heads": ((B, (1, 3), LQ, E), (B, (1, 3), LK, E)),
+    "lk2": ((B, H, LQ, E), (B, H, (30, 31), E)),
+    "lk5-uneven": ((B, H, LQ, E), (B, H, (3, 20, 1, 30, 7), E)),
+    "lk8": ((B, H, LQ, E), (B, H, (8,) * 7 + (5,), E)),
+    "lq3": ((B, H, (16, 16, 16), E), (B, H, LK, E)),
+    "lq-uneven": ((B, H, (5, 40, 3), E), (B, H, LK, E)),
+    "mixed": ((1, (2, 2), (20, 28), E), (1, (2, 2), (17, 9, 35), E)),
+    "mixed-fine": ((1, 1, (7,) * 6 + (6,), E), (1, 1, (11,) * 5 + (6,), E)),
+}
+VARIANTS = {
+    "plain": {},
+    "causal": dict(is_causal=True),
+    "causal-br": dict(is_causal=True, causal_align="bottom_right"),
+    "window": dict(window=(6, 3)),
+    "window-br-left": dict(window=(9, None), causal_align="bottom_right"),
+    "sliding": dict(is_causal=True, window=(7, 0)),
+    "alibi": dict(alibi_slopes=np.linspace(0.1, 0.8, H)),
+    "alibi-causal-br": dict(alibi_slopes=np.linspace(0.1, 0.8, H), is_causal=True, causal_align="bottom_right"),
+    "alibi-window": dict(alibi_slopes=np.linspace(0.1, 0.8, H), window=(5, 8)),
+    "softcap-scale": dict(softcap=3.0, scale=0.4),
+    "sinks": dict(sinks=np.linspace(-1.0, 2.0, H), is_causal=True),
+    "all": dict(
+        sinks=np.linspace(-1.0, 2.0, H), alibi_slopes=np.full((B, H), 0.25), softcap=4.0, window=(10, 0), is_causal=True
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", ["plain", "causal", "causal-br", "all"])
+def test_chunkings(client, variant):
+    q, k, v = _qkv((B, H, LQ, E), (B, H, LK, E), ev=24)
+    cases = {name: _case(q, k, v, cq, ck, **VARIANTS[variant]) for name, (cq, ck) in CHUNKINGS.items()}
+    _verify(client, cases)
+
+
+def test_variants_lq_and_lk_chunked(client):
+    q, k, v = _qkv((B, H, LQ, E), (B, H, LK, E), seed=1)
+    cq, ck = (1, 2, (10, 25, 13), E), (1, 2, (14, 6, 20, 21), E)
+    _verify(client, {name: _case(q, k, v, cq, ck, **kw) for name, kw in VARIANTS.items()})
+
+
+@pytest.mark.parametrize("lq,lk", [(70, 20), (20, 70), (1, 50)])
+@pytest.mark.parametrize("align", ["top_left", "bottom_right"])
+def test_causal_both_alignments_lq_ne_lk(client, lq, lk, align):
+    """Lq > Lk with bottom_right leaves the first query chunks with no key at all (zeros, -inf,
+    or the sink); Lq = 1 is a decode step against a sharded cache."""
+    q, k, v = _qkv((1, 2, lq, 8), (1, 2, lk, 8), seed=2)
+    qc = tuple(c for c in (lq // 3, lq // 3, lq - 2 * (lq // 3)) if c) or (lq,)
+    kc = (lk // 4, lk // 4, lk - 2 * (lk // 4))
+    cases = {}
+    for t, kw in enumerate(({}, dict(sinks=np.array([0.3, -0.7])), dict(alibi_slopes=np.array([0.2, 0.5])))):
+        cases[f"variant {t}"] = _case(q, k, v, (1, 1, qc, 8), (1, 1, kc, 8), is_causal=True, causal_align=align, **kw)
+    _verify(client, cases)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_dtypes(client, dtype):
+    q, k, v = _qkv((B, H, LQ, E), (B, H, LK, E), dtype=dtype, seed=3)
+    _check(client, q, k, v, (1, 2, (20, 28), E), (1, 2, (17, 9, 35), E), is_causal=True, alibi_slopes=np.ones(H) * 0.3)
+
+
+def test_mixed_input_dtypes_promote(client):
+    q, k, v = _qkv((1, 2, 20, 8), (1, 2, 30, 8), seed=4)
+    _check(client, q, k.astype(np.float64), v, (1, 1, (10, 10), 8), (1, 1, (12, 18), 8), is_causal=True)
+
+
+@pytest.mark.parametrize(
+    "hq_chunks,hkv_chunks",
+    [((8,), (2,)), ((4, 4), (1, 1)), ((3, 3, 2), (2,)), ((1,) * 8, (1, 1)), ((5, 3), (1, 1)), ((2, 6), (2,))],
+)
+def test_gqa_head_chunks(client, hq_chunks, hkv_chunks):
+    """Query heads chunked anyhow against kv heads chunked anyhow: each task gathers the kv
+    head blocks its query heads read (query head h reads kv head h // 4)."""
+    q, k, v = _qkv((2, 8, 30, 8), (2, 2, 45, 8), ev=12, seed=5)
+    kw = dict(enable_gqa=True, is_causal=True, alibi_slopes=np.linspace(0.1, 0.9, 8), sinks=np.linspace(0, 1, 8))
+    cases = {
+        "variants": _case(q, k, v, (1, hq_chunks, (10, 20), 8), (1, hkv_chunks, (15, 15, 15), 8), **kw),
+        "plain": _case(q, k, v, (2, hq_chunks, 30, 8), (2, hkv_chunks, (20, 25), 8), enable_gqa=True),
+    }
+    _verify(client, cases)
+
+
+def test_broadcast_leading_axes(client):
+    q, k, v = _qkv((3, 4, 24, 8), (1, 4, 40, 8), seed=6)
+    k3, v3 = k.repeat(3, 0), v.repeat(3, 0)
+    cases = {
+        "key batch 1": _case(q, k, v, (1, 2, (12, 12), 8), (1, 2, (25, 15), 8), is_causal=True),
+        "query heads 1": _case(q[:, :1], k3, v3, (2, 1, 24, 8), ((2, 1), 2, (25, 15), 8)),
+        # 3-D (H, L, E) and 2-D (L, E) inputs
+        "3-D": _case(
+            q[0], k[0], v[0], (2, (12, 12), 8), (2, (25, 15), 8), window=(4, 4), alibi_slopes=0.3 * np.ones(4)
+        ),
+        "2-D": _case(q[0, 0], k[0, 0], v[0, 0], ((5, 19), 8), ((9, 31), 8), is_causal=True, sinks=0.5, kv_lens=33),
+    }
+    _verify(client, cases)
+
+
+MASKS = {
+    "bool-per-batch": (lambda r: r.random((B, 1, LQ, LK)) > 0.3, (1, 1, (10, 25, 13), (14, 6, 20, 21))),
+    "float-per-head": (lambda r: r.standard_normal((1, H, LQ, LK)), (1, 2, (10, 25, 13), (14, 6, 20, 21))),
+    "padding": (lambda r: np.arange(LK)[None, None, None, :] < np.array([LK, 35])[:, None, None, None], None),
+    "padding-dask": (
+        lambda r: np.arange(LK)[None, None, None, :] < np.array([LK, 35])[:, None, None, None],
+        (1, 1, 1, (14, 6, 20, 21)),
+    ),
+    "2d-float-inf": (lambda r: np.where(r.random((LQ, LK)) > 0.8, -np.inf, 0.5), ((10, 25, 13), (14, 6, 20, 21))),
+    "rows-all-masked": (lambda r: np.arange(LQ)[:, None] % 7 != 3, None),
+}
+
+
+@pytest.mark.parametrize("variant", ["plain", "causal-br", "alibi-causal-br", "window"])
+def test_masks_chunked_like_the_scores(client, variant):
+    q, k, v = _qkv((B, H, LQ, E), (B, H, LK, E), seed=7)
+    cq, ck = (1, 2, (10, 25, 13), E), (1, 2, (14, 6, 20, 21), E)
+    cases = {}
+    for name, (make, chunks) in MASKS.items():
+        cases[name] = _case(q, k, v, cq, ck, make(_rng(8)), chunks, **VARIANTS[variant])
+    _verify(client, cases)
+
+
+def test_kv_lens(client):
+    q, k, v = _qkv((B, H, LQ, E), (B, H, LK, E), seed=9)
+    cq, ck = (1, 2, (10, 38), E), (1, 2, (14, 6, 20, 21), E)
+    cases = {}
+    for t, kw in enumerate(({}, dict(is_causal=True, alibi_slopes=np.ones(H)), dict(window=(3, 3), sinks=np.zeros(H)))):
+        for lens in ([19, 0], [61, 40]):
+            cases[f"variant {t} kv_lens {lens}"] = _case(q, k, v, cq, ck, kv_lens=np.array(lens), **kw)
+    _verify(client, cases)
+
+
+def test_split_every_and_tree_depth(client):
+    q, k, v = _qkv((1, 2, 16, 8), (1, 2, 64, 8), seed=10)
+    for split_every, merges in ((2, 4 + 2 + 1), (3, 3 + 1), (4, 2 + 1), (8, 1)):
+        out = _check(client, q, k, v, (1, 2, 16, 8), (1, 2, (8,) * 8, 8), split_every=split_every)
+        layers = out.__dask_graph__().layers
+        counts = {name.split("-")[2]: len(layer) for name, layer in layers.items() if name.startswith("pyattn-sdpa-")}
+        assert counts["block"] == 8 and counts.get("merge", 0) == merges, counts
+
+
+def test_feature_axis_rechunked_with_a_warning(client):
+    q, k, v = _qkv((1, 2, 20, 16), (1, 2, 30, 16), seed=11)
+    dq = da.from_array(q, chunks=(1, 1, 10, 8))
+    dk = da.from_array(k, chunks=(1, 1, 15, 4))
+    dv = da.from_array(v, chunks=(1, 1, 15, 16))
+    with pytest.warns(da.core.PerformanceWarning, match="feature axis"):
+        out = pdask.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
+    _close(client.compute(out, sync=True), pyattn.scaled_dot_product_attention(q, k, v, is_causal=True), "output")
+
+
+# ----------------------------------------------------------------------------- the graph
+
+
+def _deps(graph):
+    """{key: set of keys it reads}, whatever the task representation of this dask version."""
+    from dask.core import get_dependencies
+
+    return {key: set(get_dependencies(graph, key)) for key in graph}
+
+
+def _layer_keys(graph, prefix):
+    return [key for key in graph if isinstance(key, tuple) and key[0].startswith(prefix)]
+
+
+def test_no_task_reads_the_whole_key(client):
+    """With Lk in 6 chunks, every task reads at most one chunk of K (and of V): the merge tree
+    reads states, never keys."""
+    rng = _rng(12)
+    dq = da.from_array(rng.standard_normal((1, 4, 64, 16)).astype(np.float32), chunks=(1, 2, 32, 16))
+    dk = da.random.default_rng(13).standard_normal((1, 4, 600, 16), chunks=(1, 2, 100, 16)).astype(np.float32)
+    dv = da.random.default_rng(14).standard_normal((1, 4, 600, 16), chunks=(1, 2, 100, 16)).astype(np.float32)
+    out, lse = pdask.scaled_dot_product_attention(dq, dk, dv, return_lse=True, split_every=2)
+    graph = dict(dask.array.Array.__dask_optimize__(out.__dask_graph__(), out.__dask_keys__()))
+    deps = _deps(graph)
+    k_keys = {key for key in graph if key[0] == dk.name}
+    v_keys = {key for key in graph if key[0] == dv.name}
+    assert len(k_keys) == 12 and len(v_keys) == 12  # 6 Lk chunks x 2 head chunks
+    readers = [key for key, d in deps.items() if d & k_keys]
+    assert readers, "no task reads K"
+    for key in readers:
+        assert len(deps[key] & k_keys) == 1, f"{key} reads {len(deps[key] & k_keys)} key chunks"
+        assert len(deps[key] & v_keys) == 1
+    # no task anywhere gathers more than one key chunk (the merges read partial states only)
+    assert max(len(d & k_keys) for d in deps.values()) == 1
+    o, l = client.compute([out, lse], sync=True)
+    ro, rl = pyattn.scaled_dot_product_attention(dq.compute(), dk.compute(), dv.compute(), return_lse=True)
+    _close(o, ro, "output")
+    _close(l, rl, "lse")
+
+
+def _expected_blocks(qc, kc, off, left, right):
+    qs = np.concatenate([[0], np.cumsum(qc)])
+    ks = np.concatenate([[0], np.cumsum(kc)])
+    n = 0
+    for i in range(len(qc)):
+        rows = np.arange(qs[i], qs[i + 1])[:, None]
+        for j in range(len(kc)):
+            cols = np.arange(ks[j], ks[j + 1])[None, :]
+            vis = np.ones((rows.size, cols.size), bool)
+            if right is not None:
+                vis &= cols <= rows + off + right
+            if left is not None:
+                vis &= cols >= rows + off - left
+            n += bool(vis.any())
+    return n
+
+
+@pytest.mark.parametrize(
+    "kw,left,right",
+    [
+        (dict(is_causal=True), None, 0),
+        (dict(is_causal=True, causal_align="bottom_right"), None, 0),
+        (dict(is_causal=True, window=(15, 0)), 15, 0),
+        (dict(window=(10, 4)), 10, 4),
+        (dict(window=(0, None)), 0, None),
+    ],
+)
+def test_hidden_blocks_are_not_scheduled(client, kw, left, right):
+    """Blocks that causal or the window hide wholly are not in the graph, and the scheduler runs
+    exactly the visible ones (counted in its task stream)."""
+    qc, kc = (16, 16, 16, 16, 8), (16, 16, 16, 16, 16, 16)
+    q, k, v = _qkv((1, 2, sum(qc), 8), (1, 2, sum(kc), 8), seed=15)
+    off = sum(kc) - sum(qc) if kw.get("causal_align") == "bottom_right" else 0
+    expected = _expected_blocks(qc, kc, off, left, right)
+    assert expected < len(qc) * len(kc)
+    dq = da.from_array(q, chunks=(1, 2, qc, 8))
+    dk = da.from_array(k, chunks=(1, 2, kc, 8))
+    out = pdask.scaled_dot_product_attention(dq, dk, dk, **kw)
+    assert len(_layer_keys(dict(out.__dask_graph__()), "pyattn-sdpa-block-")) == expected
+    with distributed.get_task_stream(client) as ts:
+        o = client.compute(out, sync=True)
+    ran = [t["key"] for t in ts.data if "pyattn-sdpa-block-" in str(t["key"])]
+    assert len(ran) == expected, (len(ran), expected)
+    _close(o, pyattn.scaled_dot_product_attention(q, k, k, **kw), "output")
+
+
+def test_lazy_nothing_computed_at_call(client):
+    """The call builds a graph only: a key whose chunks raise when computed does not raise."""
+
+    def boom(x):
+        raise RuntimeError("computed too early")
+
+    q, k, v = _qkv((1, 2, 16, 8), (1, 2, 32, 8), seed=16)
+    dk = da.from_array(k, chunks=(1, 2, 16, 8)).map_blocks(boom, dtype=k.dtype)
+    out = pdask.scaled_dot_product_attention(da.from_array(q), dk, da.from_array(v, chunks=(1, 2, 16, 8)))
+    assert out.shape == (1, 2, 16, 8)
+    with pytest.raises(RuntimeError, match="computed too early"):
+        client.compute(out, sync=True)
+
+
+# ----------------------------------------------------------------------------- a worker dies
+
+
+def _die_once(x, marker, block_id=None):
+    """Kills its worker process the first time the third key chunk is computed (the marker file
+    holds the pid it killed); the rerun on a live worker passes the chunk through."""
+    if block_id[-2] == 2 and not os.path.exists(marker):
+        with open(marker, "w") as f:
+            f.write(str(os.getpid()))
+        os._exit(1)
+    return x
+
+
+def test_worker_killed_mid_compute(client, tmp_path):
+    marker = str(tmp_path / "killed")
+    q, k, v = _qkv((1, 4, 64, 16), (1, 4, 256, 16), seed=17)
+    pids_before = set(client.run(os.getpid).values())
+    dk = da.from_array(k, chunks=(1, 2, 64, 16)).map_blocks(_die_once, marker, dtype=k.dtype)
+    dq = da.from_array(q, chunks=(1, 2, 32, 16))
+    dv = da.from_array(v, chunks=(1, 2, 64, 16))
+    kw = dict(is_causal=True, causal_align="bottom_right", return_lse=True)  # every key chunk is visible
+    out, lse = pdask.scaled_dot_product_attention(dq, dk, dv, **kw)
+    o, l = client.compute([out, lse], sync=True)
+    assert os.path.exists(marker), "no worker was killed"
+    killed = int(open(marker).read())
+    assert killed in pids_before
+    ro, rl = pyattn.scaled_dot_product_attention(q, k, v, **kw)
+    _close(o, ro, "output")
+    _close(l, rl, "lse")
+    client.wait_for_workers(2, timeout=60)  # the nanny restarted it, for the tests after this one
+    assert killed not in set(client.run(os.getpid).values())
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _dq(shape=(1, 2, 16, 8), chunks=(1, 2, 8, 8)):
+    return da.from_array(np.zeros(shape, np.float32), chunks=chunks)
+
+
+def test_errors_non_dask_inputs():
+    q = _dq()
+    with pytest.raises(TypeError, match="key must be a dask.array.Array.*numpy"):
+        pdask.scaled_dot_product_attention(q, np.zeros((1, 2, 16, 8), np.float32), q)
+    with pytest.raises(TypeError, match="query must be a dask.array.Array"):
+        pdask.scaled_dot_product_attention(np.zeros((1, 2, 16, 8)), q, q)
+    with pytest.raises(TypeError, match="value must be a dask.array.Array.*list"):
+        pdask.scaled_dot_product_attention(q, q, [[0.0]])
+
+
+def test_errors_unsupported_keywords():
+    q = _dq()
+    with pytest.raises(ValueError, match="return_weights=True is not supported by pyattn.dask"):
+        pdask.scaled_dot_product_attention(q, q, q, return_weights=True)
+    with pytest.raises(ValueError, match="out= is not supported"):
+        pdask.scaled_dot_product_attention(q, q, q, out=np.empty((1, 2, 16, 8), np.float32))
+    with pytest.raises(TypeError):
+        pdask.scaled_dot_product_attention(q, q, q, need_weights=True)
+    with pytest.raises(NotImplementedError, match="kv_lens with causal_align='bottom_right'"):
+        pdask.scaled_dot_product_attention(q, q, q, kv_lens=np.array([3]), is_causal=True, causal_align="bottom_right")
+    for bad in (1, 0, 2.5, True):
+        with pytest.raises(ValueError, match="split_every must be an int >= 2"):
+            pdask.scaled_dot_product_attention(q, q, q, split_every=bad)
+
+
+def test_errors_mismatched_chunks():
+    q = _dq()
+    k = _dq(chunks=(1, 2, 4, 8))
+    with pytest.raises(
+        ValueError, match=r"value is chunked \(8, 8\) along Lk .* output's Lk is chunked \(4, 4, 4, 4\)"
+    ):
+        pdask.scaled_dot_product_attention(q, k, q)
+    with pytest.raises(ValueError, match=r"key is chunked \(1, 1\) along leading axis 1.*rechunk"):
+        pdask.scaled_dot_product_attention(q, _dq(chunks=(1, 1, 8, 8)), _dq(chunks=(1, 1, 8, 8)))
+    m = da.from_array(np.ones((16, 16), bool), chunks=(4, 8))
+    with pytest.raises(ValueError, match=r"attn_mask is chunked \(4, 4, 4, 4\) along Lq"):
+        pdask.scaled_dot_product_attention(q, q, q, m)
+    m = da.from_array(np.ones((16, 16), bool), chunks=(8, 4))
+    with pytest.raises(ValueError, match=r"attn_mask is chunked \(4, 4, 4, 4\) along Lk"):
+        pdask.scaled_dot_product_attention(q, q, q, m)
+    # GQA: key and value must agree on their heads chunks
+    qg = _dq((1, 4, 16, 8), (1, 2, 8, 8))
+    with pytest.raises(ValueError, match="key and value are chunked differently along their heads axis"):
+        pdask.scaled_dot_product_attention(qg, _dq(chunks=(1, 1, 8, 8)), _dq(), enable_gqa=True)
+
+
+def test_errors_unknown_chunks():
+    q = _dq()
+    keep = da.from_array(np.arange(16) % 3 != 0, chunks=8)
+    k = q[:, :, keep]  # boolean indexing by a Dask array: the Lk chunk sizes are unknown
+    assert any(np.isnan(c) for c in k.chunks[2])
+    with pytest.raises(ValueError, match=r"key has unknown chunk sizes.*key.compute_chunk_sizes\(\)"):
+        pdask.scaled_dot_product_attention(q, k, k)
+
+
+def test_errors_shapes_and_dtypes():
+    q = _dq()
+    with pytest.raises(ValueError, match="key has feature size 4"):
+        pdask.scaled_dot_product_attention(q, _dq((1, 2, 16, 4), (1, 2, 8, 4)), q)
+    with pytest.raises(ValueError, match="value has length 12"):
+        pdask.scaled_dot_product_attention(q, q, _dq((1, 2, 12, 8), (1, 2, 6, 8)))
+    with pytest.raises(ValueError, match="at least 2 dimensions"):
+        pdask.scaled_dot_product_attention(da.zeros(8, chunks=4), q, q)
+    with pytest.raises(TypeError, match="query"):
+        pdask.scaled_dot_product_attention(da.zeros((1, 2, 16, 8), dtype=np.int32, chunks=8), q, q)
+    with pytest.raises(ValueError, match="attn_mask has shape"):
+        pdask.scaled_dot_product_attention(q, q, q, np.ones((3, 16), bool))
+    with pytest.raises(TypeError, match="attn_mask"):
+        pdask.scaled_dot_product_attention(q, q, q, np.ones((16, 16), np.int32))
+    with pytest.raises(ValueError, match="enable_gqa"):
+        pdask.scaled_dot_product_attention(_dq((1, 3, 16, 8), 8), q, q, enable_gqa=True)
+    with pytest.raises(ValueError, match="causal_align"):
+        pdask.scaled_dot_product_attention(q, q, q, is_causal=True, causal_align="middle")
+    with pytest.raises(ValueError, match="window"):
+        pdask.scaled_dot_product_attention(q, q, q, window=(-1, 0))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        pdask.scaled_dot_product_attention(q, q, q, alibi_slopes=np.ones(3))
+    with pytest.raises(ValueError, match="kv_lens must be in"):
+        pdask.scaled_dot_product_attention(q, q, q, kv_lens=np.array([17]))
+
+
+def test_import_pyattn_without_dask():
+    """pyattn imports without Dask; pyattn.dask then names the extra to install."""
+    code = (
+        "import sys; sys.modules['dask'] = None\n"
+        "import pyattn\n"
+        "try:\n    import pyattn.dask\nexcept ImportError as e:\n    print('ImportError:', e)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert 'ImportError: pyattn.dask needs Dask: install the extra with `pip install "pyattn[dask]"`' in res.stdout
