@@ -484,3 +484,41 @@ def test_import_pyattn_without_dask():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert 'ImportError: pyattn.dask needs Dask: install the extra with `pip install "pyattn[dask]"`' in res.stdout
+
+
+def _random_case(rng):
+    """A random problem, chunking and combination of variants (the sweep's one draw)."""
+    gqa = rng.random() < 0.3
+    hkv = int(rng.integers(1, 3))
+    hq = hkv * int(rng.integers(2, 4)) if gqa else hkv
+    lq, lk, e = int(rng.integers(1, 40)), int(rng.integers(1, 60)), int(rng.choice([4, 8]))
+
+    def split(n):
+        cuts = np.unique(rng.integers(1, n, size=int(rng.integers(0, 5)))) if n > 1 else []
+        return tuple(int(c) for c in np.diff(np.concatenate([[0], cuts, [n]])))
+
+    q, k, v = _qkv((2, hq, lq, e), (2, hkv, lk, e), ev=int(rng.choice([4, 6])), seed=int(rng.integers(1 << 30)))
+    kw = {"is_causal": bool(rng.random() < 0.5), "causal_align": str(rng.choice(["top_left", "bottom_right"]))}
+    if rng.random() < 0.4:
+        kw["window"] = tuple(None if rng.random() < 0.3 else int(rng.integers(0, 12)) for _ in range(2))
+    if rng.random() < 0.4:
+        kw["alibi_slopes"] = rng.uniform(0.05, 1.0, hq)
+    if rng.random() < 0.3:
+        kw["sinks"] = rng.standard_normal(hq)
+    if rng.random() < 0.2:
+        kw["softcap"] = 2.0
+    if rng.random() < 0.2 and (kw["causal_align"] == "top_left"):
+        kw["kv_lens"] = rng.integers(0, lk + 1, size=2)
+    mask, mchunks = None, None
+    qc, kc = split(lq), split(lk)
+    if rng.random() < 0.3:
+        mask = rng.random((2, 1, lq, lk)) > 0.2
+        mchunks = (1, 1, qc, kc)
+    hc = split(hq) if gqa else (hkv,)
+    return _case(q, k, v, (1, hc, qc, e), (1, split(hkv) if gqa else hc, kc, e), mask, mchunks, enable_gqa=gqa, **kw)
+
+
+def test_random_sweep(client):
+    """60 random shapes, chunkings and variants (fixed seed), all against the NumPy call."""
+    rng = _rng(2026)
+    _verify(client, {f"draw {t}": _random_case(rng) for t in range(60)})
