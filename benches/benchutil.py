@@ -9,6 +9,8 @@ outside the timed region.
 from __future__ import annotations
 
 import functools
+import io
+import os
 import time
 import zlib
 from dataclasses import replace
@@ -96,3 +98,77 @@ def decode_qkv(tag: str, name: str, hq: int, hkv: int, lk: int, d: int):
     """A decode step's float32 inputs, seeded by (tag, name): q (1, Hq, 1, D), k and v (1, Hkv, Lk, D)."""
     rng = rng_for(tag, name)
     return normal(rng, (1, hq, 1, d)), normal(rng, (1, hkv, lk, d)), normal(rng, (1, hkv, lk, d))
+
+
+def _cpu_ident() -> tuple:
+    """(model name, family, model) of the first CPU in /proc/cpuinfo; ("", "", "") elsewhere.
+
+    Family and model are kept beside the name because the name alone does not tell the machines
+    apart: this VM's Zen 5 and a Zen 3 host both call themselves "AMD EPYC"."""
+    name = fam = model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                key, val = key.strip(), val.strip()
+                if key == "model name" and not name:
+                    name = val
+                elif key == "cpu family" and not fam:
+                    fam = val
+                elif key == "model" and not model:
+                    model = val
+                elif not line.strip() and name:
+                    break  # the first processor's block is enough
+    except OSError:
+        import platform
+
+        name = platform.processor() or platform.machine()
+    return name, fam, model
+
+
+def machine_key(isa=None, threads=None) -> str:
+    """The kind of machine a benchmark run belongs to: CPU model, pyattn's kernel set, threads.
+
+    Runs are only compared with runs of the same key (benches/history/<key>/): ratios measured on
+    a Zen 3 with the AVX2 kernels say nothing about a Zen 5 with AVX-512. e.g.
+    ``amd-epyc-f26m2-avx512-t2``."""
+    import re
+
+    if isa is None or threads is None:
+        import pyattn
+
+        isa = pyattn.show_config(file=io.StringIO())["isa"] if isa is None else isa
+        threads = int(pyattn.get_num_threads()) if threads is None else threads
+    name, fam, model = _cpu_ident()
+    slug = re.sub(r"[^a-z0-9]+", "-", re.sub(r"\(r\)|\(tm\)|processor|cpu @.*|\d+-core", "", name.lower())).strip("-")
+    cpu = slug or "cpu"
+    if fam or model:
+        cpu += f"-f{fam}m{model}"
+    return f"{cpu}-{isa}-t{threads}"
+
+
+def repo_commit(path=None) -> dict:
+    """The git commit of the repository holding ``path`` (default: this file): id, short id,
+    whether the tree had uncommitted changes, branch, author time. Empty fields outside git."""
+    import subprocess
+
+    where = os.path.dirname(os.path.abspath(path or __file__))
+
+    def git(*args):
+        try:
+            return subprocess.run(
+                ["git", "-C", where, *args], capture_output=True, text=True, timeout=30, check=True
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    sha = git("rev-parse", "HEAD")
+    return {
+        "id": sha,
+        "short": sha[:10],
+        # Only tracked files under csrc/, pyattn/ and benches/ decide what a benchmark measures;
+        # other sessions' notes or docs in the same tree should not mark a run dirty.
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", ":/csrc", ":/pyattn", ":/benches")),
+        "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
+        "time": git("show", "-s", "--format=%cI", "HEAD"),
+    }

@@ -3,6 +3,7 @@
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE pytest benches     # real timings, full shapes
     pytest benches --benchmark-disable                              # smoke: once each, small
     python benches/report.py -k attention                           # run, then markdown tables
+    pytest benches --bench-history -k ...      # also save the run in benches/history/<machine key>/
 
 Use an installed pyattn: ``python -m pytest`` puts the current directory on sys.path, so from
 the repository root it would import the source ``pyattn/`` (no compiled core unless installed
@@ -17,14 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import io
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 OPENBLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+HISTORY_DIR = Path(__file__).resolve().parent / "history"
 
 
 def pytest_addoption(parser):
@@ -35,6 +39,31 @@ def pytest_addoption(parser):
         help="benches: 'full' = the measured shapes, 'smoke' = small shapes; 'auto' (default) = "
         "smoke under --benchmark-disable, full otherwise.",
     )
+    parser.addoption(
+        "--bench-history",
+        nargs="?",
+        const=str(HISTORY_DIR),
+        default=None,
+        metavar="DIR",
+        help="benches: save this run with pytest-benchmark's storage under DIR/<machine key>/ (default "
+        "DIR: benches/history, meant to be committed), named after the commit; nothing is saved under "
+        "--benchmark-disable. The key is CPU model, pyattn kernel set and threads (benchutil.machine_key).",
+    )
+
+
+def pytest_configure(config):
+    """--bench-history: point pytest-benchmark's --benchmark-storage / --benchmark-save at
+    DIR/<machine key>, named after the commit. Runs before pytest-benchmark's own pytest_configure
+    (trylast), which reads these two options to set up its storage."""
+    where = config.getoption("bench_history", None)
+    if not where or config.getoption("benchmark_disable", False):
+        return
+    from benchutil import machine_key
+
+    key = machine_key()
+    commit = _commit()
+    config.option.benchmark_storage = "file://" + os.path.join(os.path.abspath(where), key)
+    config.option.benchmark_save = (commit["short"] or "nogit") + ("-dirty" if commit["dirty"] else "")
 
 
 def pytest_collect_file(file_path, parent):
@@ -168,3 +197,27 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info["read_gbs"] = max(measure_read_gbs(int(pyattn.get_num_threads())), start.get("read", 0.0))
     if hasattr(os, "getloadavg"):
         machine_info["loadavg_end"] = os.getloadavg()
+    from benchutil import machine_key
+
+    # The history folder's key, kept in the json too so that report.py can group runs read from
+    # anywhere by the kind of machine they ran on.
+    machine_info["bench_key"] = machine_key(threads=int(pyattn.get_num_threads()))
+
+
+@functools.lru_cache(maxsize=1)
+def _commit() -> dict:
+    """The repository's commit when the run started (the file name and the json agree even if a
+    commit lands during the run)."""
+    from benchutil import repo_commit
+
+    return repo_commit()
+
+
+def pytest_benchmark_update_commit_info(config, commit_info):
+    """The commit of this repository, not of the directory pytest runs in (report.py runs it from
+    an empty temporary directory, where pytest-benchmark finds no git repository)."""
+    info = _commit()
+    if info["id"]:
+        commit_info.pop("error", None)
+        commit_info.update(id=info["id"], dirty=info["dirty"], branch=info["branch"], time=info["time"])
+        commit_info["project"] = "pyattn"

@@ -6,6 +6,18 @@
     python benches/report.py --save out.json -k matmul
     python benches/report.py --json out.json      # only print the tables of an earlier run
 
+Speed over time (benches/history/<machine key>/, committed; see "Tracking speed over time" in
+docs/performance.md):
+
+    python benches/report.py --record             # run the focused set, save it in the history
+    python benches/report.py --compare            # latest saved run against the previous one
+                                                  # of the same kind of machine; exit 1 on a flag
+    python benches/report.py --compare A.json B.json  # two given runs (paths, or names in history)
+    python benches/report.py --spread             # run-to-run spread of the ratios, all saved runs
+    python benches/report.py --trend trend.png    # key ratios across saved runs, per kind of CPU
+    python benches/report.py --plot gflops.png    # GFLOP/s against L, decode GB/s (latest run,
+                                                  # or --json FILE); --trend/--plot need matplotlib
+
 When it runs the benches it removes OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE from the benchmark
 process's environment (the fair NumPy peer is OpenBLAS's AVX-512 kernel, see
 docs/performance.md), unless --keep-openblas-env is given, and runs pytest from an empty
@@ -19,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -31,7 +44,7 @@ OPENBLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 ORDER = ("pyattn", "numpy_ref", "numpy", "torch", "onnxruntime")
 
 
-def run_benches(json_path: Path, pytest_args: list, keep_env: bool) -> int:
+def run_benches(json_path: Path, pytest_args: list, keep_env: bool, paths: bool = True) -> int:
     env = dict(os.environ)
     if not keep_env:
         for var in OPENBLAS_VARS:
@@ -40,7 +53,7 @@ def run_benches(json_path: Path, pytest_args: list, keep_env: bool) -> int:
         sys.executable,
         "-m",
         "pytest",
-        str(HERE),
+        *([str(HERE)] if paths else []),
         f"--benchmark-json={json_path}",
         "-p",
         "no:cacheprovider",
@@ -220,6 +233,371 @@ def report(data: dict) -> str:
     return "\n".join(out)
 
 
+# ------------------------------------------------------------------ history and comparisons
+#
+# Wall time on these shared 2-core VMs moves by up to 2x between runs, and the CPU differs from
+# machine to machine, so a run is never compared with another by its times. What is compared is
+# what survives noise: ratios measured inside one run (a peer's median over pyattn's, pyattn's
+# GFLOP/s over the sgemm peak measured in the same process, decode's GB/s over the same-run read
+# bandwidth), and only between runs of the same machine key (CPU model, kernel set, threads).
+HISTORY = HERE / "history"
+
+# The focused set --record runs: a few minutes on 2 cores, and every kind of call whose speed
+# matters (long, short batched, causal, decode with and without GQA, matmul).
+FOCUS_FILES = ("bench_attention.py", "bench_matmul.py")
+FOCUS_K = (
+    "(test_attention and (B1_H12_L512_D64 or B8_H12_L128_D64 or B1_H8_L2048_D64 or causal_B1_H32 "
+    "or decode)) or (test_matmul and float32 and not 2048)"
+)
+
+# Thresholds of --compare, from the spread measured on this machine (python benches/report.py
+# --spread over 4 saved runs of the focused set, 2 cores shared with other sessions' builds and
+# tests, 2026-11-30; docs/performance.md): a group's consensus change (the median of its ratios'
+# changes, see group_change) moved by at most GROUP_SPREAD between two runs of unchanged code, a
+# single ratio by at most RATIO_SPREAD.  A drop beyond them is flagged.
+GROUP_SPREAD = 0.10
+RATIO_SPREAD = 0.25
+# Which of pytest-benchmark's statistics the ratios use. Other sessions' builds and tests load
+# the 2 cores in bursts (load average 4-8 seen during the runs): a call that shares its core
+# with a compiler takes 2-10x longer, so the median of a few rounds still moves with the load,
+# the fastest round much less (--spread compares both).
+STAT = "min"
+
+
+def run_metrics(data: dict, stat: str = None) -> dict:
+    """{group: {metric: value}}: the noise-proof figures of one run, all "higher is better for
+    pyattn". ``x PEER`` = PEER median / pyattn median (the speed-up over a peer measured back to
+    back in this run), ``% sgemm peak`` = pyattn GFLOP/s over the run's sgemm peak, ``% read bw``
+    = a decode's GB/s over the run's read bandwidth. Rows of pyattn itself (``pyattn+f16cache``,
+    ``pyattn_paged16``) are not peers and are left out."""
+    mi = data.get("machine_info", {})
+    peak, bw = mi.get("sgemm_peak_gflops"), mi.get("read_gbs")
+    out: dict = {}
+    for name, benches in _groups(data).items():
+        by_impl = {impl_of(b): b for b in benches}
+        base = by_impl.get("pyattn")
+        if base is None or base.get("extra_info", {}).get("kind") == "memory":
+            continue
+        t = _time(base, stat)
+        if not t:
+            continue
+        m = {}
+        for impl, b in by_impl.items():
+            if impl.startswith("pyattn") or not _time(b, stat):
+                continue
+            m[f"x {impl}"] = _time(b, stat) / t
+        ex = base.get("extra_info", {})
+        decode = " Lq1 " in f" {ex.get('shape', name)} " or "decode" in name
+        if ex.get("flops") and peak and not decode:
+            m["% sgemm peak"] = 100 * ex["flops"] / t / 1e9 / peak
+        if ex.get("bytes") and bw and decode:
+            m["% read bw"] = 100 * ex["bytes"] / t / 1e9 / bw
+        if m:
+            out[name] = m
+    return out
+
+
+def _time(bench: dict, stat: str = None):
+    st = bench.get("stats", bench)
+    return st.get(stat or STAT)
+
+
+def _median(bench: dict):
+    return _time(bench, "median")
+
+
+def _groups(data: dict) -> dict:
+    groups: dict = {}
+    for b in data.get("benchmarks", []):
+        groups.setdefault(b.get("group") or b["name"], []).append(b)
+    return groups
+
+
+def run_key(data: dict, path=None) -> str:
+    key = data.get("machine_info", {}).get("bench_key")
+    if key:
+        return key
+    # Saved by pytest-benchmark as history/<key>/<its machine id>/NNNN_name.json
+    if path is not None and HISTORY in Path(path).resolve().parents:
+        return Path(path).resolve().relative_to(HISTORY).parts[0]
+    return "?"
+
+
+def run_label(data: dict, path) -> str:
+    c = data.get("commit_info", {})
+    sha = (c.get("id") or "")[:8] or "nogit"
+    return f"{Path(path).stem} ({sha}{'+dirty' if c.get('dirty') else ''}, {str(data.get('datetime', '?'))[:16]})"
+
+
+def history_runs(root: Path = HISTORY) -> list:
+    """[(path, data)] of every saved run under root, oldest first (by the run's datetime)."""
+    runs = []
+    for path in sorted(root.rglob("*.json")) if root.exists() else []:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            print(f"skipping {path}: {exc}", file=sys.stderr)
+            continue
+        if "benchmarks" in data:
+            runs.append((path, data))
+    runs.sort(key=lambda r: (str(r[1].get("datetime", "")), str(r[0])))
+    return runs
+
+
+def find_run(spec: str, runs: list):
+    """A run by path, or by a unique part of its file name under the history (``0003``, a commit)."""
+    p = Path(spec)
+    if p.is_file():
+        return p, json.loads(p.read_text())
+    hits = [r for r in runs if spec in r[0].name]
+    if len(hits) != 1:
+        raise SystemExit(f"--compare: {spec!r} matches {len(hits)} saved runs (give a path or a unique name)")
+    return hits[0]
+
+
+def group_change(old: dict, new: dict) -> tuple:
+    """(consensus, {metric: change}) for one group: each shared metric's new / old, and their
+    median. A slower pyattn moves every ratio of its group the same way; a peer that happened to
+    be slow in one run moves one of them. The median follows the first and ignores the second."""
+    ch = {k: new[k] / old[k] for k in old if k in new and old[k] > 0}
+    if not ch:
+        return None, ch
+    vals = sorted(ch.values())
+    n = len(vals)
+    med = vals[n // 2] if n % 2 else math.sqrt(vals[n // 2 - 1] * vals[n // 2])
+    return med, ch
+
+
+def compare(old_run, new_run, group_spread=GROUP_SPREAD, ratio_spread=RATIO_SPREAD, stat=None) -> tuple:
+    """Markdown lines comparing two runs, and the groups flagged (a consensus drop beyond
+    group_spread)."""
+    (po, do), (pn, dn) = old_run, new_run
+    ko, kn = run_key(do, po), run_key(dn, pn)
+    lines = [
+        f"# pyattn: {run_label(dn, pn)} against {run_label(do, po)}",
+        "",
+        f"- machine key: {kn}"
+        + (
+            ""
+            if ko == kn
+            else f" (the older run: **{ko}**; ratios of different machines are not comparable, read with care)"
+        ),
+        f"- ratios of each implementation's {stat or STAT} time; change = new ratio / old ratio "
+        "(below 1: pyattn lost ground); a group is **flagged** when the "
+        f"median change of its ratios is below {1 - group_spread:.2f} (the run-to-run spread measured: "
+        f"+-{group_spread:.0%}); `↓` marks a single ratio below {1 - ratio_spread:.2f} (one peer's or "
+        "one moment's noise when its group is not flagged)",
+        "",
+        "| group | metric | old | new | change |",
+        "|---|---|---|---|---|",
+    ]
+    mo, mn = run_metrics(do, stat), run_metrics(dn, stat)
+    flagged = []
+    for group in [g for g in mn if g in mo]:
+        med, ch = group_change(mo[group], mn[group])
+        if med is None:
+            continue
+        flag = med < 1 - group_spread
+        if flag:
+            flagged.append((group, med))
+        for metric, c in ch.items():
+            mark = " ↓" if c < 1 - ratio_spread else ""
+            lines.append(f"| {group} | {metric} | {mo[group][metric]:.2f} | {mn[group][metric]:.2f} | {c:.2f}{mark} |")
+        lines.append(
+            f"| {group} | **median change** | | | **{med:.2f}**" + (" **FLAG: slower**" if flag else "") + " |"
+        )
+    only = sorted(set(mo) ^ set(mn))
+    if only:
+        lines += ["", f"- groups in only one of the runs (not compared): {', '.join(only)}"]
+    lines.append("")
+    if flagged:
+        lines.append(f"**{len(flagged)} group(s) flagged**: " + "; ".join(f"{g} ({m:.2f}x)" for g, m in flagged))
+    else:
+        lines.append("No group flagged: every group's median change is within the run-to-run spread.")
+    return lines, flagged
+
+
+def spread(runs: list, stat=None) -> list:
+    """The run-to-run spread of the ratios, over every pair of saved runs of the same key: per
+    pair, each group's consensus change and each single ratio's change (|log| of new / old)."""
+    by_key: dict = {}
+    for path, data in runs:
+        by_key.setdefault(run_key(data, path), []).append((path, data))
+    lines = []
+    for key, rs in by_key.items():
+        if len(rs) < 2:
+            lines.append(f"- {key}: {len(rs)} run, nothing to compare")
+            continue
+        gch, rch = [], []
+        for i in range(len(rs)):
+            for j in range(i + 1, len(rs)):
+                mo, mn = run_metrics(rs[i][1], stat), run_metrics(rs[j][1], stat)
+                for g in mo:
+                    if g in mn:
+                        med, ch = group_change(mo[g], mn[g])
+                        if med is not None:
+                            gch.append((abs(math.log(med)), g, rs[i][0].stem, rs[j][0].stem))
+                            rch += [(abs(math.log(c)), f"{g} / {k}") for k, c in ch.items()]
+        gch.sort()
+        rch.sort()
+
+        def q(xs, f):
+            return math.exp(xs[min(len(xs) - 1, int(f * len(xs)))][0]) - 1
+
+        lines += [
+            f"- {key}, ratios of the {stat or STAT} times: {len(rs)} runs, {len(gch)} group comparisons, "
+            f"{len(rch)} ratio comparisons",
+            f"  - group consensus change |new/old - 1|: median {q(gch, 0.5):.1%}, 90th percentile "
+            f"{q(gch, 0.9):.1%}, max {q(gch, 1.0):.1%} ({gch[-1][1]}, {gch[-1][2]} -> {gch[-1][3]})",
+            f"  - single ratio change: median {q(rch, 0.5):.1%}, 90th percentile {q(rch, 0.9):.1%}, "
+            f"max {q(rch, 1.0):.1%} ({rch[-1][1]})",
+        ]
+    lines.append(f"- thresholds in use (report.py): group {GROUP_SPREAD:.0%}, single ratio {RATIO_SPREAD:.0%}")
+    return lines
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot / --trend need matplotlib: pip install 'pyattn[plot]' (or matplotlib)") from None
+    return plt
+
+
+TREND_PEERS = ("torch", "onnxruntime", "numpy")
+
+
+def trend(runs: list, out: Path) -> None:
+    """Per machine key, two panels across its saved runs: pyattn's speed-up over the best-known
+    peer of each group (torch, else ONNX Runtime, else NumPy), and its share of the sgemm peak
+    (or, for decode, of the read bandwidth)."""
+    plt = _pyplot()
+    by_key: dict = {}
+    for path, data in runs:
+        by_key.setdefault(run_key(data, path), []).append((path, data))
+    if not by_key:
+        raise SystemExit(f"--trend: no saved runs under {HISTORY}")
+    fig, axes = plt.subplots(2, len(by_key), figsize=(7 * len(by_key), 8), squeeze=False)
+    for col, (key, rs) in enumerate(sorted(by_key.items())):
+        metrics = [run_metrics(d) for _, d in rs]
+        labels = [f"{p.stem.split('_')[0]}\n{(d.get('commit_info', {}).get('id') or '')[:7]}" for p, d in rs]
+        groups = sorted({g for m in metrics for g in m})
+        for g in groups:
+            peer = next((p for p in TREND_PEERS if any(f"x {p}" in m.get(g, {}) for m in metrics)), None)
+            share = "% read bw" if any("% read bw" in m.get(g, {}) for m in metrics) else "% sgemm peak"
+            short = g.replace("attention ", "").replace("matmul ", "mm ")
+            if peer:
+                ys = [m.get(g, {}).get(f"x {peer}") for m in metrics]
+                axes[0][col].plot(range(len(rs)), ys, marker="o", label=f"{short} / {peer}")
+            ys = [m.get(g, {}).get(share) for m in metrics]
+            if any(y is not None for y in ys):
+                axes[1][col].plot(range(len(rs)), ys, marker="o", label=f"{short} ({share[2:]})")
+        titles = ("pyattn speed-up over the peer (same run)", "pyattn share of the same-run peak, %")
+        for row, title in enumerate(titles):
+            ax = axes[row][col]
+            ax.set_title(f"{key}: {title}", fontsize=9)
+            ax.set_xticks(range(len(rs)))
+            ax.set_xticklabels(labels, fontsize=7)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6, loc="best")
+        axes[0][col].axhline(1.0, color="k", lw=0.8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
+_L_RE = re.compile(r"\bL(?:k)?(\d+)\b")
+
+
+def plot_run(data: dict, out: Path, stat: str = "median") -> None:
+    """Issue 12's picture of one run: attention GFLOP/s against the sequence length per
+    implementation, beside the same-run sgemm peak; decode's GB/s per implementation beside the
+    same-run read bandwidth (and the 80% target)."""
+    plt = _pyplot()
+    mi = data.get("machine_info", {})
+    peak, bw = mi.get("sgemm_peak_gflops"), mi.get("read_gbs")
+    series: dict = {}
+    decode: dict = {}
+    for name, benches in _groups(data).items():
+        for b in benches:
+            ex = b.get("extra_info", {})
+            if ex.get("kind") != "attention" or not _time(b, stat):
+                continue
+            shape = ex.get("shape", name)
+            impl = impl_of(b)
+            t = _time(b, stat)
+            if " Lq1 " in f" {shape} ":
+                if ex.get("bytes"):
+                    decode.setdefault(shape, {})[impl] = ex["bytes"] / t / 1e9
+                continue
+            m = _L_RE.findall(shape.replace("Lq", "Lq_"))
+            if not m or not ex.get("flops"):
+                continue
+            kind = "causal" if "causal" in shape else "full"
+            series.setdefault((impl, kind), []).append((int(m[-1]), ex["flops"] / t / 1e9, shape))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 5.5), gridspec_kw={"width_ratios": [3, 2]})
+    colors = {}
+    for (impl, kind), pts in sorted(series.items(), key=lambda kv: (_rank(kv[0][0]), kv[0][1])):
+        pts.sort()
+        c = colors.setdefault(impl, f"C{len(colors)}")
+        ax.plot(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            marker="o" if kind == "full" else "s",
+            ls="-" if kind == "full" else "--",
+            color=c,
+            mfc=c if kind == "full" else "none",
+            label=f"{impl}" + (" (causal: half the pairs)" if kind == "causal" else ""),
+        )
+        if impl == "pyattn":
+            for L, g, shape in pts:
+                ax.annotate(shape, (L, g), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    if peak:
+        ax.axhline(peak, color="k", ls=":", lw=1)
+        ax.text(
+            0.01,
+            peak,
+            f"sgemm peak, same run ({peak:.0f})",
+            fontsize=7,
+            va="bottom",
+            transform=ax.get_yaxis_transform(),
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length L (keys)")
+    ax.set_ylabel("GFLOP/s (4*B*H*Lq*Lk*D, halved for causal)")
+    ax.set_title(f"attention, float32 ({stat} times)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    shapes = sorted(decode)
+    impls = sorted({i for d in decode.values() for i in d}, key=_rank)
+    width = 0.8 / max(1, len(impls))
+    for j, impl in enumerate(impls):
+        xs = [i + j * width for i, s in enumerate(shapes) if impl in decode[s]]
+        ys = [decode[s][impl] for s in shapes if impl in decode[s]]
+        bx.bar(xs, ys, width, label=impl, color=colors.get(impl, f"C{len(colors) + j}"))
+    if bw:
+        bx.axhline(bw, color="k", ls=":", lw=1, label=f"read bandwidth, same run ({bw:.1f} GB/s)")
+        bx.axhline(0.8 * bw, color="k", ls="--", lw=0.8, label="80% of it (the target)")
+    bx.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))])
+    bx.set_xticklabels([s.replace(" Lq1", "\nLq1") for s in shapes], fontsize=7)
+    bx.set_ylabel("GB/s (q, k, v and output bytes / time)")
+    bx.set_title(f"decode ({stat} times)", fontsize=10)
+    bx.legend(fontsize=7)
+    bx.grid(alpha=0.3, axis="y")
+    cpu = mi.get("cpu", {}).get("brand_raw", "?")
+    fig.suptitle(
+        f"pyattn {mi.get('pyattn', {}).get('version')} on {cpu} ({mi.get('bench_key', '?')}), "
+        f"{str(data.get('datetime', '?'))[:16]}, commit {(data.get('commit_info', {}).get('id') or '?')[:8]}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -229,18 +607,88 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--keep-openblas-env", action="store_true", help="do not unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE for the run"
     )
+    ap.add_argument(
+        "--record",
+        action="store_true",
+        help="run the focused set (or the given pytest args) and save it in benches/history/<machine key>/",
+    )
+    ap.add_argument("--history", type=Path, default=HISTORY, help="the history folder (default: benches/history)")
+    ap.add_argument(
+        "--compare",
+        nargs="*",
+        metavar="RUN",
+        help="compare two saved runs (OLD NEW), one run with the previous of its key, or (none "
+        "given) the latest run with the previous of its key; exit status 1 when a group is flagged",
+    )
+    ap.add_argument("--spread", action="store_true", help="the run-to-run spread of the ratios in the history")
+    ap.add_argument(
+        "--stat", choices=("min", "median", "mean"), default=None, help=f"the times the ratios use (default: {STAT})"
+    )
+    ap.add_argument("--trend", type=Path, metavar="PNG", help="plot the key ratios across saved runs")
+    ap.add_argument("--plot", type=Path, metavar="PNG", help="plot GFLOP/s against L and decode GB/s of one run")
     args, pytest_args = ap.parse_known_args(argv)
 
+    if args.compare is not None or args.spread or args.trend or (args.plot and not args.record):
+        return history_main(args)
+
     rc = 0
+    if args.record:
+        extra = [f"--bench-history={args.history.resolve()}"]
+        if not any(a == "-k" or a.startswith("-k") for a in pytest_args):
+            extra += ["-k", FOCUS_K]
+        if not any(a.endswith(".py") or "::" in a for a in pytest_args):
+            pytest_args = [str(HERE / f) for f in FOCUS_FILES] + pytest_args
+        pytest_args = extra + pytest_args
     if args.json:
         path = args.json
     else:
         path = args.save or Path(tempfile.mkdtemp(prefix="pyattn-bench-")) / "bench.json"
-        rc = run_benches(path.resolve(), pytest_args, args.keep_openblas_env)
+        rc = run_benches(path.resolve(), pytest_args, args.keep_openblas_env, paths=not args.record)
         if not path.exists():
             print(f"no benchmark json was written (pytest exit status {rc})", file=sys.stderr)
             return rc or 1
-    print(report(json.loads(path.read_text())))
+    data = json.loads(path.read_text())
+    print(report(data))
+    if args.plot:
+        plot_run(data, args.plot, args.stat or "median")
+    return rc
+
+
+def history_main(args) -> int:
+    runs = history_runs(args.history)
+    rc = 0
+    if args.spread:
+        for stat in [args.stat] if args.stat else ["min", "median"]:
+            print("\n".join(spread(runs, stat)))
+    if args.compare is not None:
+        if len(args.compare) > 2:
+            raise SystemExit("--compare takes at most two runs")
+        if len(args.compare) == 2:
+            old, new = (find_run(s, runs) for s in args.compare)
+        else:
+            new = find_run(args.compare[0], runs) if args.compare else (runs[-1] if runs else None)
+            if new is None:
+                raise SystemExit(f"--compare: no saved runs under {args.history}")
+            key = run_key(new[1], new[0])
+            before = [r for r in runs if run_key(r[1], r[0]) == key and r[0] != new[0]]
+            before = [r for r in before if str(r[1].get("datetime", "")) <= str(new[1].get("datetime", ""))]
+            if not before:
+                raise SystemExit(f"--compare: no earlier run of {key} than {new[0]}")
+            old = before[-1]
+        lines, flagged = compare(old, new, stat=args.stat)
+        print("\n".join(lines))
+        rc = 1 if flagged else 0
+    if args.trend:
+        trend(runs, args.trend)
+    if args.plot:
+        if args.json:
+            data = json.loads(args.json.read_text())
+        elif runs:
+            print(f"plotting the latest saved run: {runs[-1][0]}")
+            data = runs[-1][1]
+        else:
+            raise SystemExit("--plot: give --json FILE, or save a run first (--record)")
+        plot_run(data, args.plot, args.stat or "median")
     return rc
 
 
