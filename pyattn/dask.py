@@ -427,7 +427,8 @@ def scaled_dot_product_attention(
 
     meta_mask = None
     if m is not None:
-        meta_mask = stand_in(m, m.shape[:-2] + tuple(1 for _ in m.shape[-2:]) if m.ndim >= 2 else m.shape)
+        last = min(m.ndim, 2)  # its (Lq, Lk) axes, as many as it has, stand in as 1
+        meta_mask = stand_in(m, m.shape[: m.ndim - last] + (1,) * last)
     o_meta, lse_meta = _sdpa(
         stand_in(q, q.shape[:-2] + (1, 1)), stand_in(k, k.shape[:-2] + (1, 1)), stand_in(v, v.shape[:-2] + (1, 1)),
         meta_mask, is_causal=is_causal, causal_align=causal_align, scale=1.0, enable_gqa=enable_gqa,

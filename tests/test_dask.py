@@ -234,6 +234,23 @@ def test_kv_lens(client):
     _verify(client, cases)
 
 
+def test_half_kv_empty_axes_and_1d_masks(client):
+    """float16 K/V with a float32 query (read as they are, computed in float32); empty Lq, Lk or
+    batch; masks with only a key axis, bool and float."""
+    q, k, v = _qkv((1, 2, 20, 8), (1, 2, 30, 8), seed=18)
+    kh, vh = k.astype(np.float16), v.astype(np.float16)
+    cq, ck = (1, 1, (10, 10), 8), (1, 1, (15, 15), 8)
+    cases = {
+        "float16 K/V": _case(q, kh, vh, cq, ck, is_causal=True, alibi_slopes=np.array([0.2, 0.4])),
+        "Lq = 0": _case(q[:, :, :0], k, v, (1, 1, 0, 8), ck, is_causal=True),
+        "Lk = 0": _case(q, k[:, :, :0], v[:, :, :0], cq, (1, 1, 0, 8), sinks=np.array([0.1, 0.2])),
+        "B = 0": _case(q[:0], k[:0], v[:0], (0, 1, (10, 10), 8), (0, 1, (15, 15), 8)),
+        "1-D bool mask": _case(q, k, v, cq, ck, np.arange(30) < 20),
+        "1-D float mask": _case(q, k, v, cq, ck, np.linspace(-1.0, 0.0, 30), window=(3, 3)),
+    }
+    _verify(client, cases)
+
+
 def test_split_every_and_tree_depth(client):
     q, k, v = _qkv((1, 2, 16, 8), (1, 2, 64, 8), seed=10)
     for split_every, merges in ((2, 4 + 2 + 1), (3, 3 + 1), (4, 2 + 1), (8, 1)):
