@@ -55,9 +55,7 @@ _INFO = """
 
 def _vendored_dirs(pkg: str) -> list[str]:
     return [
-        d
-        for d in (os.path.join(os.path.dirname(pkg), "pyattn.libs"), os.path.join(pkg, ".dylibs"))
-        if os.path.isdir(d)
+        d for d in (os.path.join(os.path.dirname(pkg), "pyattn.libs"), os.path.join(pkg, ".dylibs")) if os.path.isdir(d)
     ]
 
 
