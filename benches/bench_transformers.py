@@ -122,8 +122,13 @@ def prompt(case: Case):
 NEXT_TOKEN = torch.tensor([[7]])
 
 
-def prefill(model, ids):
-    cache = transformers.DynamicCache(config=model.config)
+def prefill(model, ids, static_len=None):
+    """The prompt's forward into a fresh cache: a DynamicCache (what generate() uses by default),
+    or a StaticCache of ``static_len`` slots."""
+    if static_len:
+        cache = transformers.StaticCache(config=model.config, max_cache_len=static_len)
+    else:
+        cache = transformers.DynamicCache(config=model.config)
     out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
     return out.logits[0, -1], cache
 
@@ -230,9 +235,10 @@ class AttentionTimer:
         self.mapping.update(self.saved)
 
 
-def measure(case: Case, repeats: int, steps: int) -> dict:
+def measure(case: Case, repeats: int, steps: int, static_len=None) -> dict:
     """{impl: (prefill s, prefill attention s, decode s/token, decode attention s/token)}, the
-    medians of ``repeats`` rounds, pyattn and sdpa interleaved (alternating which goes first)."""
+    medians of ``repeats`` rounds, pyattn and sdpa interleaved (alternating which goes first);
+    ``static_len``: a StaticCache of that many slots instead of a DynamicCache."""
     models = {impl: model_for(case, impl) for impl in ("sdpa", pt.NAME)}
     ids = prompt(case)
     timer = AttentionTimer()
@@ -240,7 +246,7 @@ def measure(case: Case, repeats: int, steps: int) -> dict:
     try:
         with torch.inference_mode():
             for model in models.values():  # warm-up
-                _, cache = prefill(model, ids[:, :256])
+                _, cache = prefill(model, ids[:, :256], static_len)
                 decode(model, cache)
             for r in range(repeats):
                 for impl in list(models)[:: 1 if r % 2 == 0 else -1]:
@@ -248,7 +254,7 @@ def measure(case: Case, repeats: int, steps: int) -> dict:
                     time.sleep(0.2)  # let the other implementation's threads go idle
                     timer.seconds = 0.0
                     t0 = time.perf_counter()
-                    _, cache = prefill(model, ids)
+                    _, cache = prefill(model, ids, static_len)
                     tp, ap = time.perf_counter() - t0, timer.seconds
                     timer.seconds = 0.0
                     t0 = time.perf_counter()
@@ -267,6 +273,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed per repeat")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--windows", default="4096,1024", help="the sliding model's windows (default: %(default)s)")
+    ap.add_argument("--static", type=int, default=0, help="also the llama model with a StaticCache of this many slots")
+    ap.add_argument("--only", default="", help="run only the cases whose name contains this")
     ap.add_argument("--quick", action="store_true", help="the smoke shapes, 2 repeats")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -280,9 +288,15 @@ def main(argv=None) -> int:
         f"torch {torch.__version__}, transformers {transformers.__version__}, pyattn {pyattn.__version__}; "
         f"{args.threads} threads each; medians of {args.repeats} interleaved repeats, {args.steps} decode steps each"
     )
-    for case in cases:
-        res = measure(case, args.repeats, args.steps)
-        print(f"{case.name}:")
+    runs = [(case, None) for case in cases]
+    if args.static:
+        runs.insert(1, (cases[0], args.static))
+    for case, static_len in runs:
+        label = case.name + (f", StaticCache({static_len})" if static_len else ", DynamicCache")
+        if args.only not in label:
+            continue
+        res = measure(case, args.repeats, args.steps, static_len)
+        print(f"{label}:", flush=True)
         for impl, (tp, ap_, td, ad) in res.items():
             print(
                 f"  {impl:>6}: prefill {case.length / tp:8.0f} tok/s ({1e3 * tp:8.1f} ms, "
@@ -292,7 +306,8 @@ def main(argv=None) -> int:
         s, p = res["sdpa"], res[pt.NAME]
         print(
             f"  pyattn / sdpa: prefill {s[0] / p[0]:.2f}x, decode {s[2] / p[2]:.2f}x; attention alone: "
-            f"prefill {s[1] / p[1]:.2f}x, decode {s[3] / p[3]:.2f}x"
+            f"prefill {s[1] / p[1]:.2f}x, decode {s[3] / p[3]:.2f}x",
+            flush=True,
         )
     return 0
 
