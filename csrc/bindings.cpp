@@ -431,12 +431,13 @@ PYBIND11_MODULE(_core, m) {
 
   m.add_object("sdpa_small", py::reinterpret_steal<py::object>(PyCFunction_NewEx(&small::sdpa_def, nullptr, nullptr)));
   m.def("isa", [] { return std::string(pyattn::active_isa().name); }, "Name of the kernel set in use.");
+  m.def("isa_reason", &pyattn::isa_reason, "Why the kernel set in use was chosen (CPU flags, PYATTN_ISA, set_isa).");
   m.def(
       "set_isa", [](const std::string& name) { return pyattn::set_active_isa(name.c_str()); }, py::arg("name"),
       "Switch kernel set (tests); returns False if this CPU cannot run it.");
   m.def("available_isas", [] {
     std::vector<std::string> out;
-    for (const char* n : {"generic", "avx2", "avx512"})
+    for (const char* n : {"generic", "avx2", "avx512", "neon"})
       if (pyattn::isa_supported(n)) out.emplace_back(n);
     return out;
   });

@@ -425,6 +425,7 @@ def show_config(*, file=None) -> dict:
     cfg = {
         "version": __version__,
         "isa": _core.isa(),
+        "isa_reason": _core.isa_reason(),
         "isas_available": list(_core.available_isas()),
         "isa_forced_by": "PYATTN_ISA" if os.environ.get("PYATTN_ISA") else None,
         "threads": get_num_threads(),

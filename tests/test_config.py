@@ -119,6 +119,33 @@ def test_env_var_selects_isa(name):
     assert lines[-1] == name
 
 
+def test_show_config_says_why_the_isa(capsys):
+    """isa_reason names the CPU flags (or the architecture) behind the default choice, and says
+    when PYATTN_ISA or set_isa() chose instead."""
+    code = "import io, pyattn; print(pyattn.show_config(file=io.StringIO())['isa_reason'])"
+    here = os.path.dirname(os.path.abspath(__file__))
+    run = lambda env: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=here, timeout=120
+    )
+    base = {k: v for k, v in os.environ.items() if k != "PYATTN_ISA"}
+    default = run(base)
+    assert default.returncode == 0, default.stderr
+    flags = {"avx512": "AVX-512", "avx2": "AVX2", "neon": "AArch64", "generic": "portable"}
+    assert flags[ISAS[-1]] in default.stdout, default.stdout
+    forced = run(dict(base, PYATTN_ISA="generic"))
+    assert forced.stdout.strip() == "forced by PYATTN_ISA", forced.stdout
+    bad = run(dict(base, PYATTN_ISA="no-such-set"))
+    assert "PYATTN_ISA names no kernel set" in bad.stdout and flags[ISAS[-1]] in bad.stdout, bad.stdout
+    core = pyattn._core
+    old = core.isa()
+    try:
+        assert core.set_isa("generic")
+        assert pyattn.show_config()["isa_reason"] == "set by set_isa()"
+        assert "set by set_isa()" in capsys.readouterr().out
+    finally:
+        core.set_isa(old)
+
+
 def test_version():
     assert isinstance(pyattn.__version__, str) and pyattn.__version__
 
