@@ -43,11 +43,12 @@ _INFO = """
     import numpy
     import pyattn
     from threadpoolctl import threadpool_info
-    pkg = os.path.dirname(os.path.realpath(pyattn.__file__))
+    path = lambda p: os.path.normcase(os.path.realpath(p))  # one spelling of each path
+    pkg = os.path.dirname(path(pyattn.__file__))
     print(json.dumps({
         "pkg": pkg,
-        "core": os.path.realpath(pyattn._core.__file__),
-        "openmp": [dict(i, filepath=os.path.realpath(i["filepath"]))
+        "core": path(pyattn._core.__file__),
+        "openmp": [dict(i, filepath=path(i["filepath"]))
                    for i in threadpool_info() if i["user_api"] == "openmp"],
     }))
 """
