@@ -80,7 +80,7 @@ def test_vendored_runtime_when_installed_from_a_repaired_wheel(tmp_path):
     info = _run(_INFO, tmp_path)
     vendored = _vendored_dirs(info["pkg"])
     assert vendored, f"no pyattn.libs or .dylibs beside {info['pkg']}"
-    names = sorted(f for d in vendored for f in os.listdir(d) if "omp" in f.lower())
+    names = sorted(os.path.normcase(f) for d in vendored for f in os.listdir(d) if "omp" in f.lower())
     assert len(names) == 1, names  # one OpenMP runtime, never two
     assert [os.path.basename(i["filepath"]) for i in info["openmp"]] == names
 
