@@ -383,7 +383,7 @@ def _patterns():
     }
 
 
-PADDINGS = ["none", "left", "right", "holes"]
+PADDINGS = ["none", "left", "right", "tail", "holes"]
 # (Lq, Lk, q_offset, kv_offset): prefill, a cache, a decode step, a sliding cache window, a
 # StaticCache longer than what it holds, and offsets no flag expresses
 SIZES = [(7, 7, 0, 0), (3, 10, 7, 0), (1, 12, 11, 0), (1, 5, 9, 5), (4, 16, 5, 0), (2, 8, 1, 0), (5, 6, 3, 2)]
@@ -397,6 +397,8 @@ def _padding(kind, B, N):
     elif kind == "right":
         p[0, N - 2 :] = False
         p[2, 1:] = False
+    elif kind == "tail":  # a StaticCache's empty slots: the same right padding in every row
+        p[:, N - min(6, N - 1) :] = False
     elif kind == "holes":
         p[0, 1] = False
         p[2, ::2] = False

@@ -289,7 +289,9 @@ def _fused(pattern, B: int, Lq: int, Lk: int, shift: int, padding, kv_offset: in
         return PyattnMask(shape, key_mask, is_causal=causal, causal_align="top_left", window=window, kv_lens=lengths)
     if not causal and window is None:  # no position-dependent part: the offsets do not matter
         return PyattnMask(shape, key_mask, kv_lens=lengths)
-    if lengths is not None:  # kv_lens would move bottom_right's alignment: the padding as a key mask
+    if lengths is not None and not (causal and shift + Lq <= lengths.min()):
+        # kv_lens would move bottom_right's alignment: the padding as a key mask, unless it lies
+        # wholly past the last query (a StaticCache's empty slots), where causality hides it
         key_mask = (np.arange(Lk)[None, :] < lengths[:, None])[:, None, None, :]
     if shift == Lk - Lq:
         return PyattnMask(shape, key_mask, is_causal=causal, causal_align="bottom_right", window=window)
