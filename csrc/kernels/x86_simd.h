@@ -394,6 +394,60 @@ struct VecKernels {
     for (int r = 0; r < RB; ++r) s[r * ss] = Ops::reduce_add(NA == 2 ? Ops::add(acc[r][0], acc[r][NA - 1]) : acc[r][0]);
   }
 
+  // Whether Ops can reduce L vectors to one vector of their sums at once (Ops::sum_lanes).
+  template <class O, class = void>
+  struct HasSumLanes : std::false_type {};
+  template <class O>
+  struct HasSumLanes<O, std::void_t<decltype(O::sum_lanes(static_cast<const typename O::V*>(nullptr)))>>
+      : std::true_type {};
+
+  //   s[j] = q . rows[j] for j < L (one query row): each key row read in order, into an
+  //   accumulator of its own; the L accumulators reduced together (Ops::sum_lanes), a fraction of
+  //   the cost of reducing each one. NV > 0: rows of exactly NV vectors, unrolled (the usual head
+  //   sizes); NV = 0: any length n.
+  template <int NV, class S>
+  static void dot_lanes(const T* q, const S* const* rows, index_t n, T* s) {
+    V acc[L];
+    const index_t nv = NV > 0 ? NV : n / L, tail = NV > 0 ? 0 : n - nv * L;
+    const typename Ops::Mask m = Ops::mask(int(tail));
+#pragma GCC unroll 16
+    for (int j = 0; j < L; ++j) {
+      const S* k = rows[j];
+      V a = Ops::zero(), b = Ops::zero();  // two chains: half the FMA latency per key
+      index_t i = 0;
+#pragma GCC unroll 8
+      for (; i + 2 <= nv; i += 2) {
+        a = Ops::fma(Ops::load(q + i * L), load_as<Ops>(k + i * L), a);
+        b = Ops::fma(Ops::load(q + (i + 1) * L), load_as<Ops>(k + (i + 1) * L), b);
+      }
+      if (i < nv) a = Ops::fma(Ops::load(q + i * L), load_as<Ops>(k + i * L), a);
+      if (NV == 0 && tail) b = Ops::fma(Ops::maskload(m, q + nv * L), load_as_n<Ops>(m, int(tail), k + nv * L), b);
+      acc[j] = Ops::add(a, b);
+    }
+    Ops::store(s, Ops::sum_lanes(acc));
+  }
+
+  //   s[x*ss + j] = q_x . rows[j] for x < R, j < kb: one query row (decode without grouped heads)
+  //   L keys at a time where Ops has sum_lanes; otherwise, and for the last keys, key by key.
+  template <class S>
+  static void dot_keys(const T* q, index_t qs, index_t R, const S* const* rows, index_t kb, index_t n, T* s,
+                       index_t ss) {
+    index_t j = 0;
+    if constexpr (HasSumLanes<Ops>::value)
+      if (R == 1)
+        for (; j + L <= kb; j += L) {
+          if (n == 4 * L)
+            dot_lanes<4>(q, rows + j, n, s + j);
+          else if (n == 8 * L)
+            dot_lanes<8>(q, rows + j, n, s + j);
+          else if (n == 16 * L)
+            dot_lanes<16>(q, rows + j, n, s + j);
+          else
+            dot_lanes<0>(q, rows + j, n, s + j);
+        }
+    for (; j < kb; ++j) dot_rows(q, qs, R, rows[j], n, s + j, ss);
+  }
+
   //   s[x*ss] = q_x . k for x < R, the K row read in order, four query rows at a time
   template <class S>
   static void dot_rows(const T* q, index_t qs, index_t R, const S* k, index_t n, T* s, index_t ss) {
