@@ -428,18 +428,25 @@ def attention_forward(
         kw["softcap"] = float(softcap)
 
     want_weights = bool(kwargs.get("output_attentions", False))
-    out_t = torch.empty((B, Lq, Hq, Dv), dtype=compute)
-    res = pyattn.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        scale=None if scaling is None else float(scaling),
-        enable_gqa=Hq != Hkv,
-        return_weights=want_weights,
-        out=out_t.numpy().transpose(0, 2, 1, 3),  # (B, Hq, Lq, Dv) view: written in place, no copy
-        **kw,
-    )
-    weights = torch.from_numpy(res[1]) if want_weights else None
+    scale = None if scaling is None else float(scaling)
+    if Lq == 1 and not want_weights:
+        # A decode step: (B, Hq, 1, Dv) is already laid out as (B, 1, Hq, Dv), and without out=
+        # pyattn's small-call path in C serves the call (no padding, no variant)
+        res = pyattn.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=Hq != Hkv, **kw)
+        out_t, weights = torch.from_numpy(res).transpose(1, 2), None
+    else:
+        out_t = torch.empty((B, Lq, Hq, Dv), dtype=compute)
+        res = pyattn.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            scale=scale,
+            enable_gqa=Hq != Hkv,
+            return_weights=want_weights,
+            out=out_t.numpy().transpose(0, 2, 1, 3),  # (B, Hq, Lq, Dv) view: written in place, no copy
+            **kw,
+        )
+        weights = torch.from_numpy(res[1]) if want_weights else None
     if compute != dt:
         out_t = out_t.to(dt)
         weights = weights.to(dt) if weights is not None else None
