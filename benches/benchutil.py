@@ -166,9 +166,11 @@ def repo_commit(path=None) -> dict:
     return {
         "id": sha,
         "short": sha[:10],
-        # Only tracked files under csrc/, pyattn/ and benches/ decide what a benchmark measures;
-        # other sessions' notes or docs in the same tree should not mark a run dirty.
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", ":/csrc", ":/pyattn", ":/benches")),
+        # Only the library's code and build decide what a benchmark measures; other sessions'
+        # benches, notes or docs in the same tree should not mark a run dirty.
+        "dirty": bool(
+            git("status", "--porcelain", "--untracked-files=no", "--", ":/csrc", ":/pyattn", ":/CMakeLists.txt")
+        ),
         "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
         "time": git("show", "-s", "--format=%cI", "HEAD"),
     }

@@ -10,6 +10,7 @@ Speed over time (benches/history/<machine key>/, committed; see "Tracking speed 
 docs/performance.md):
 
     python benches/report.py --record             # run the focused set, save it in the history
+                                                  # (1 thread, CPU time; --threads N, --wall)
     python benches/report.py --compare            # latest saved run against the previous one
                                                   # of the same kind of machine; exit 1 on a flag
     python benches/report.py --compare A.json B.json  # two given runs (paths, or names in history)
@@ -44,8 +45,9 @@ OPENBLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 ORDER = ("pyattn", "numpy_ref", "numpy", "torch", "onnxruntime")
 
 
-def run_benches(json_path: Path, pytest_args: list, keep_env: bool, paths: bool = True) -> int:
+def run_benches(json_path: Path, pytest_args: list, keep_env: bool, paths: bool = True, env_add=None) -> int:
     env = dict(os.environ)
+    env.update(env_add or {})
     if not keep_env:
         for var in OPENBLAS_VARS:
             env.pop(var, None)
@@ -245,10 +247,15 @@ HISTORY = HERE / "history"
 # The focused set --record runs: a few minutes on 2 cores, and every kind of call whose speed
 # matters (long, short batched, causal, decode with and without GQA, matmul).
 FOCUS_FILES = ("bench_attention.py", "bench_matmul.py")
+# The NumPy reference stays on the two short shapes only: on the long ones it takes seconds of
+# CPU a call and torch and ONNX Runtime are the peers that matter.
 FOCUS_K = (
     "(test_attention and (B1_H12_L512_D64 or B8_H12_L128_D64 or B1_H8_L2048_D64 or causal_B1_H32 "
-    "or decode)) or (test_matmul and float32 and not 2048)"
+    "or decode) and not (numpy_ref and (L2048 or causal or decode))) or (test_matmul and float32 and not 2048)"
 )
+# pytest-benchmark's default 1 s of rounds per item, halved: the fastest round of 0.5 s of
+# rounds is as steady in CPU time, and the focused set stays a few minutes on a busy machine.
+FOCUS_MAX_TIME = "0.5"
 
 # Thresholds of --compare, from the spread measured on this machine (python benches/report.py
 # --spread over 4 saved runs of the focused set, 2 cores shared with other sessions' builds and
@@ -257,21 +264,27 @@ FOCUS_K = (
 # single ratio by at most RATIO_SPREAD.  A drop beyond them is flagged.
 GROUP_SPREAD = 0.10
 RATIO_SPREAD = 0.25
-# Which of pytest-benchmark's statistics the ratios use. Other sessions' builds and tests load
-# the 2 cores in bursts (load average 4-8 seen during the runs): a call that shares its core
-# with a compiler takes 2-10x longer, so the median of a few rounds still moves with the load,
-# the fastest round much less (--spread compares both).
-STAT = "min"
+# Which of pytest-benchmark's statistics the ratios use, by the run's timer (--spread compares
+# them). Wall time: the fastest round, since another process only ever adds time (a call that
+# shares its core with a compiler takes 2-10x longer). CPU time (--record's default): the
+# median; the fastest round of CPU time is itself an outlier (a round 30% below the first
+# quartile was seen), and the median of CPU time hardly moves with the load.
+STAT = {"cpu": "median", "wall": "min"}
+
+
+def default_stat(data: dict) -> str:
+    return STAT.get(data.get("machine_info", {}).get("timer", "wall"), "min")
 
 
 def run_metrics(data: dict, stat: str = None) -> dict:
     """{group: {metric: value}}: the noise-proof figures of one run, all "higher is better for
-    pyattn". ``x PEER`` = PEER median / pyattn median (the speed-up over a peer measured back to
+    pyattn". ``x PEER`` = PEER time / pyattn time (``stat``, see STAT: the speed-up over a peer measured back to
     back in this run), ``% sgemm peak`` = pyattn GFLOP/s over the run's sgemm peak, ``% read bw``
     = a decode's GB/s over the run's read bandwidth. Rows of pyattn itself (``pyattn+f16cache``,
     ``pyattn_paged16``) are not peers and are left out."""
     mi = data.get("machine_info", {})
     peak, bw = mi.get("sgemm_peak_gflops"), mi.get("read_gbs")
+    stat = stat or default_stat(data)
     out: dict = {}
     for name, benches in _groups(data).items():
         by_impl = {impl_of(b): b for b in benches}
@@ -297,9 +310,9 @@ def run_metrics(data: dict, stat: str = None) -> dict:
     return out
 
 
-def _time(bench: dict, stat: str = None):
+def _time(bench: dict, stat: str):
     st = bench.get("stats", bench)
-    return st.get(stat or STAT)
+    return st.get(stat)
 
 
 def _median(bench: dict):
@@ -382,7 +395,8 @@ def compare(old_run, new_run, group_spread=GROUP_SPREAD, ratio_spread=RATIO_SPRE
             if ko == kn
             else f" (the older run: **{ko}**; ratios of different machines are not comparable, read with care)"
         ),
-        f"- ratios of each implementation's {stat or STAT} time; change = new ratio / old ratio "
+        f"- ratios of each implementation's {stat or default_stat(dn)} time "
+        f"({dn.get('machine_info', {}).get('timer', 'wall')} clock); change = new ratio / old ratio "
         "(below 1: pyattn lost ground); a group is **flagged** when the "
         f"median change of its ratios is below {1 - group_spread:.2f} (the run-to-run spread measured: "
         f"+-{group_spread:.0%}); `↓` marks a single ratio below {1 - ratio_spread:.2f} (one peer's or "
@@ -445,7 +459,8 @@ def spread(runs: list, stat=None) -> list:
             return math.exp(xs[min(len(xs) - 1, int(f * len(xs)))][0]) - 1
 
         lines += [
-            f"- {key}, ratios of the {stat or STAT} times: {len(rs)} runs, {len(gch)} group comparisons, "
+            f"- {key}, ratios of the {stat or default_stat(rs[-1][1])} times: {len(rs)} runs, "
+            f"{len(gch)} group comparisons, "
             f"{len(rch)} ratio comparisons",
             f"  - group consensus change |new/old - 1|: median {q(gch, 0.5):.1%}, 90th percentile "
             f"{q(gch, 0.9):.1%}, max {q(gch, 1.0):.1%} ({gch[-1][1]}, {gch[-1][2]} -> {gch[-1][3]})",
@@ -614,6 +629,18 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--history", type=Path, default=HISTORY, help="the history folder (default: benches/history)")
     ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="--record: threads for pyattn, the peers and NumPy's BLAS (default 1: see --wall)",
+    )
+    ap.add_argument(
+        "--wall",
+        action="store_true",
+        help="--record: time in wall-clock time, as the plain report does, instead of CPU time "
+        "(process_time: what another process takes of the core is not counted)",
+    )
+    ap.add_argument(
         "--compare",
         nargs="*",
         metavar="RUN",
@@ -622,7 +649,10 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--spread", action="store_true", help="the run-to-run spread of the ratios in the history")
     ap.add_argument(
-        "--stat", choices=("min", "median", "mean"), default=None, help=f"the times the ratios use (default: {STAT})"
+        "--stat",
+        choices=("min", "median", "mean"),
+        default=None,
+        help="the times the ratios use (default: median for CPU-time runs, min for wall-time runs)",
     )
     ap.add_argument("--trend", type=Path, metavar="PNG", help="plot the key ratios across saved runs")
     ap.add_argument("--plot", type=Path, metavar="PNG", help="plot GFLOP/s against L and decode GB/s of one run")
@@ -632,8 +662,18 @@ def main(argv=None) -> int:
         return history_main(args)
 
     rc = 0
+    env_add = {}
     if args.record:
+        # One thread and CPU time by default: on a shared machine a call's wall time is mostly
+        # other processes' time, and a team of threads loses whole time slices waiting at a
+        # barrier for a descheduled member; the CPU time of one thread is the call's own work.
+        n = str(args.threads)
+        env_add = {"OMP_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": n, "MKL_NUM_THREADS": n}
         extra = [f"--bench-history={args.history.resolve()}"]
+        if not args.wall and not any(a.startswith("--benchmark-timer") for a in pytest_args):
+            extra.append("--benchmark-timer=time.process_time")
+        if not any(a.startswith("--benchmark-max-time") for a in pytest_args):
+            extra.append(f"--benchmark-max-time={FOCUS_MAX_TIME}")
         if not any(a == "-k" or a.startswith("-k") for a in pytest_args):
             extra += ["-k", FOCUS_K]
         if not any(a.endswith(".py") or "::" in a for a in pytest_args):
@@ -643,7 +683,7 @@ def main(argv=None) -> int:
         path = args.json
     else:
         path = args.save or Path(tempfile.mkdtemp(prefix="pyattn-bench-")) / "bench.json"
-        rc = run_benches(path.resolve(), pytest_args, args.keep_openblas_env, paths=not args.record)
+        rc = run_benches(path.resolve(), pytest_args, args.keep_openblas_env, paths=not args.record, env_add=env_add)
         if not path.exists():
             print(f"no benchmark json was written (pytest exit status {rc})", file=sys.stderr)
             return rc or 1
@@ -658,7 +698,7 @@ def history_main(args) -> int:
     runs = history_runs(args.history)
     rc = 0
     if args.spread:
-        for stat in [args.stat] if args.stat else ["min", "median"]:
+        for stat in [args.stat] if args.stat else ["median", "min"]:
             print("\n".join(spread(runs, stat)))
     if args.compare is not None:
         if len(args.compare) > 2:
