@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -262,6 +264,195 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   return nullptr;
 }
 
+// The memory [lo, hi) that a view spans (for overlap checks).
+std::pair<const char*, const char*> extent(const View& v) {
+  const char *lo = v.data, *hi = v.data;
+  for (int i = 0; i < v.nd; ++i) (v.strides[i] < 0 ? lo : hi) += (v.shape[i] - 1) * v.strides[i];
+  return {lo, hi + v.itemsize};
+}
+bool overlap(const View& a, const View& b) {
+  const auto x = extent(a), y = extent(b);
+  return x.first < y.second && y.first < x.second;
+}
+
+// A 1-D int64 vector of n entries, or a 2-D C-contiguous int32 table of n rows.
+bool int64_vector(PyObject* o, index_t n, const std::int64_t*& data, index_t& stride) {
+  const auto& api = py::detail::npy_api::get();
+  if (Py_TYPE(o) != api.PyArray_Type_) return false;
+  const auto* p = py::detail::array_proxy(o);
+  const auto* d = py::detail::array_descriptor_proxy(p->descr);
+  if (p->nd != 1 || p->dimensions[0] != n || d->kind != 'i' || d->byteorder != '=') return false;
+  if (py::dtype(py::reinterpret_borrow<py::object>(p->descr)).itemsize() != 8) return false;
+  if (reinterpret_cast<std::uintptr_t>(p->data) % 8 || p->strides[0] % 8) return false;
+  data = reinterpret_cast<const std::int64_t*>(p->data);
+  stride = p->strides[0] / 8;
+  return true;
+}
+bool int32_table(PyObject* o, index_t rows, const std::int32_t*& data, index_t& cols) {
+  const auto& api = py::detail::npy_api::get();
+  if (Py_TYPE(o) != api.PyArray_Type_) return false;
+  const auto* p = py::detail::array_proxy(o);
+  const auto* d = py::detail::array_descriptor_proxy(p->descr);
+  if (p->nd != 2 || p->dimensions[0] != rows || d->kind != 'i' || d->byteorder != '=') return false;
+  if (py::dtype(py::reinterpret_borrow<py::object>(p->descr)).itemsize() != 4) return false;
+  if (p->strides[1] != 4 || p->strides[0] != 4 * p->dimensions[1] || reinterpret_cast<std::uintptr_t>(p->data) % 4)
+    return false;
+  data = reinterpret_cast<const std::int32_t*>(p->data);
+  cols = p->dimensions[1];
+  return true;
+}
+
+// kvcache_small(query, k_cache, v_cache, cache_lens, k_new, v_new, block_table, scale, is_causal,
+// return_lse): kvcache_attention's everyday call (a float cache of the query's dtype, contiguous
+// or paged, no int8 scales, no variant, a new output), appends and attends; None for anything
+// else, before anything is written.
+PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 10) {
+    PyErr_SetString(PyExc_TypeError, "kvcache_small takes 10 positional arguments");
+    return nullptr;
+  }
+  const int causal = flag(args[8]), want_lse = flag(args[9]);
+  if (causal < 0 || want_lse < 0) Py_RETURN_NONE;
+  View q, kc, vc, kn{}, vn{};
+  if (!view_of(args[0], 4, q) || !view_of(args[1], 4, kc) || !view_of(args[2], 4, vc)) Py_RETURN_NONE;
+  if (q.nd != 4 || kc.nd != 4 || vc.nd != 4 || kc.typenum != q.typenum || vc.typenum != q.typenum) Py_RETURN_NONE;
+  const bool append = args[4] != Py_None;
+  if (append != (args[5] != Py_None)) Py_RETURN_NONE;
+  const index_t B = q.shape[0], Hq = q.shape[1], Lq = q.shape[2], E = q.shape[3];
+  const index_t Hkv = kc.shape[1], Ev = vc.shape[3];
+  if (kc.shape[3] != E || vc.shape[0] != kc.shape[0] || vc.shape[1] != Hkv || vc.shape[2] != kc.shape[2] || Hq % Hkv)
+    Py_RETURN_NONE;
+  const index_t group = Hq / Hkv;
+  const bool paged = args[6] != Py_None;
+  const std::int32_t* table = nullptr;
+  index_t tcols = 0;
+  if (paged ? !int32_table(args[6], B, table, tcols) : kc.shape[0] != B) Py_RETURN_NONE;
+  const index_t bsize = kc.shape[2], capacity = paged ? tcols * bsize : bsize;
+  const std::int64_t* lens_data;
+  index_t lens_s;
+  if (!int64_vector(args[3], B, lens_data, lens_s)) Py_RETURN_NONE;
+  if (append) {
+    if (!view_of(args[4], 4, kn) || !view_of(args[5], 4, vn) || kn.nd != 4 || vn.nd != 4) Py_RETURN_NONE;
+    if (kn.typenum != q.typenum || vn.typenum != q.typenum) Py_RETURN_NONE;
+    const Py_ssize_t want_k[4] = {Py_ssize_t(B), Py_ssize_t(Hkv), Py_ssize_t(Lq), Py_ssize_t(E)};
+    const Py_ssize_t want_v[4] = {Py_ssize_t(B), Py_ssize_t(Hkv), Py_ssize_t(Lq), Py_ssize_t(Ev)};
+    for (int i = 0; i < 4; ++i)
+      if (kn.shape[i] != want_k[i] || vn.shape[i] != want_v[i]) Py_RETURN_NONE;
+    if (kn.strides[3] != kn.itemsize || vn.strides[3] != vn.itemsize) Py_RETURN_NONE;
+    if (!(py::detail::array_proxy(args[1])->flags & py::detail::npy_api::NPY_ARRAY_WRITEABLE_) ||
+        !(py::detail::array_proxy(args[2])->flags & py::detail::npy_api::NPY_ARRAY_WRITEABLE_))
+      Py_RETURN_NONE;
+    if (overlap(kn, kc) || overlap(kn, vc) || overlap(vn, kc) || overlap(vn, vc)) Py_RETURN_NONE;
+  }
+  index_t Lk = 0;
+  for (index_t b = 0; b < B; ++b) {
+    const index_t n = lens_data[b * lens_s], keys = n + (append ? Lq : 0);
+    if (n < 0 || keys > capacity) Py_RETURN_NONE;
+    Lk = keys > Lk ? keys : Lk;
+    if (paged)
+      for (index_t i = 0, need = (keys + bsize - 1) / bsize; i < need; ++i) {
+        const std::int32_t blk = table[b * tcols + i];
+        if (blk < 0 || blk >= kc.shape[0]) Py_RETURN_NONE;
+      }
+  }
+  double scale;
+  if (args[7] == Py_None) {
+    scale = 1.0 / std::sqrt(double(E));
+  } else if (PyFloat_Check(args[7])) {
+    scale = PyFloat_AS_DOUBLE(args[7]);
+  } else {
+    Py_RETURN_NONE;
+  }
+
+  try {
+    // Every check is done: only now is anything written.
+    if (append) {
+      auto put = [&](const View& src, const View& dst, index_t n) {
+        for (index_t b = 0; b < B; ++b)
+          for (index_t h = 0; h < Hkv; ++h)
+            for (index_t j = 0; j < Lq; ++j) {
+              const index_t pos = lens_data[b * lens_s] + j;
+              const index_t blk = paged ? table[b * tcols + pos / bsize] : b, row = paged ? pos % bsize : pos;
+              std::memcpy(dst.data + blk * dst.strides[0] + h * dst.strides[1] + row * dst.strides[2],
+                          src.data + b * src.strides[0] + h * src.strides[1] + j * src.strides[2],
+                          std::size_t(n) * std::size_t(src.itemsize));
+            }
+      };
+      put(kn, kc, E);
+      put(vn, vc, Ev);
+    }
+    const Py_ssize_t dims[4] = {Py_ssize_t(B), Py_ssize_t(Hq), Py_ssize_t(Lq), Py_ssize_t(Ev)};
+    py::object out = py::reinterpret_steal<py::object>(new_array(q.typenum, 4, dims));
+    if (!out) throw py::error_already_set();
+    char* out_data = py::detail::array_proxy(out.ptr())->data;
+    std::memset(out_data, 0, std::size_t(B * Hq * Lq * Ev) * std::size_t(q.itemsize));
+    py::object lse = py::none();
+    if (want_lse) {
+      lse = py::reinterpret_steal<py::object>(new_array(q.typenum, 3, dims));
+      if (!lse) throw py::error_already_set();
+      char* l = py::detail::array_proxy(lse.ptr())->data;
+      for (index_t i = 0; i < B * Hq * Lq; ++i) {
+        if (q.typenum == kFloat32)
+          reinterpret_cast<float*>(l)[i] = -std::numeric_limits<float>::infinity();
+        else
+          reinterpret_cast<double*>(l)[i] = -std::numeric_limits<double>::infinity();
+      }
+    }
+    thread_local std::vector<index_t> qoff, koff, voff, ooff, lseoff, kv_lens, bt_off;
+    const std::size_t bh = std::size_t(B * Hq);
+    for (auto* v : {&qoff, &koff, &voff, &ooff, &lseoff, &kv_lens, &bt_off}) v->resize(bh);
+    for (index_t b = 0, i = 0; b < B; ++b)
+      for (index_t h = 0; h < Hq; ++h, ++i) {
+        qoff[i] = b * elems(q, 0) + h * elems(q, 1);
+        koff[i] = (paged ? 0 : b * elems(kc, 0)) + (h / group) * elems(kc, 1);
+        voff[i] = (paged ? 0 : b * elems(vc, 0)) + (h / group) * elems(vc, 1);
+        ooff[i] = i * Lq * Ev;
+        lseoff[i] = i * Lq;
+        kv_lens[i] = lens_data[b * lens_s] + (append ? Lq : 0);
+        bt_off[i] = b * tcols;
+      }
+    // clang-format off: one line per pointer and its strides, as in api.h
+    pyattn::AttnArgs a{index_t(bh), Lq, Lk, E, Ev, group,
+                       q.data, qoff.data(), elems(q, 2), kc.data, koff.data(), elems(kc, 2),
+                       vc.data, voff.data(), elems(vc, 2),
+                       out_data, ooff.data(), Ev,
+                       pyattn::MaskKind::none, nullptr, nullptr, 0, 0,
+                       want_lse ? py::detail::array_proxy(lse.ptr())->data : nullptr,
+                       want_lse ? lseoff.data() : nullptr, 1,
+                       nullptr, nullptr, 0,
+                       scale, causal == 1, true,
+                       0.0, nullptr, nullptr, pyattn::kNoLimit, pyattn::kNoLimit, kv_lens.data(),
+                       nullptr,
+                       table, paged ? bt_off.data() : nullptr, paged ? bsize : 0,
+                       paged ? elems(kc, 0) : elems(kc, 0), paged ? elems(vc, 0) : elems(vc, 0),
+                       nullptr, nullptr, 0, 0,
+                       nullptr, nullptr, 0, 0,
+                       pyattn::get_num_threads()};
+    // clang-format on
+    if (Lk > 0) {
+      py::gil_scoped_release nogil;
+      pyattn::active_isa().attention[q.typenum == kFloat32 ? 0 : 1](a);
+    }
+    if (!want_lse) return out.release().ptr();
+    return PyTuple_Pack(2, out.ptr(), lse.ptr());
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
+PyMethodDef kvcache_def = {
+    "kvcache_small", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&kvcache)), METH_FASTCALL,
+    "kvcache_small(query, k_cache, v_cache, cache_lens, k_new, v_new, block_table, scale, is_causal, return_lse) -> "
+    "object\n\n"
+    "kvcache_attention's common case in C (a float cache of the query's dtype, contiguous or paged, no variant, a new "
+    "output): the output (and lse) after the append, or None, having written nothing, when the call is not that "
+    "case."};
+
 PyMethodDef sdpa_def = {
     "sdpa_small", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&sdpa)), METH_FASTCALL,
     "sdpa_small(query, key, value, is_causal, causal_align, scale, enable_gqa, return_lse) -> object\n\n"
@@ -429,6 +620,8 @@ PYBIND11_MODULE(_core, m) {
       py::arg("v_ps"), py::arg("k_scale").none(true), py::arg("ksoff").none(true), py::arg("ks_rs"), py::arg("ks_ps"),
       py::arg("v_scale").none(true), py::arg("vsoff").none(true), py::arg("vs_rs"), py::arg("vs_ps"));
 
+  m.add_object("kvcache_small",
+               py::reinterpret_steal<py::object>(PyCFunction_NewEx(&small::kvcache_def, nullptr, nullptr)));
   m.add_object("sdpa_small", py::reinterpret_steal<py::object>(PyCFunction_NewEx(&small::sdpa_def, nullptr, nullptr)));
   m.def("isa", [] { return std::string(pyattn::active_isa().name); }, "Name of the kernel set in use.");
   m.def("isa_reason", &pyattn::isa_reason, "Why the kernel set in use was chosen (CPU flags, PYATTN_ISA, set_isa).");

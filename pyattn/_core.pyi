@@ -116,6 +116,18 @@ def attention(
     (likewise v and the int8 scales, float32, at ksoff/ks_rs/ks_ps and vsoff/vs_rs/vs_ps).
     weights, if given, must be zero-filled."""
 
+def kvcache_small(
+    query: object,
+    k_cache: object,
+    v_cache: object,
+    cache_lens: object,
+    k_new: object,
+    v_new: object,
+    block_table: object,
+    scale: object,
+    is_causal: object,
+    return_lse: object,
+) -> object: ...
 def sdpa_small(
     query: object,
     key: object,

@@ -31,6 +31,13 @@ from ._validate import (
 _CACHE_KV_TYPES = {"float16": 1, "bfloat16": 2, "int8": 3}
 
 
+_kvcache_small = _core.kvcache_small
+
+
+def _plain(window, softcap, alibi_slopes, sinks) -> bool:
+    return window is None and softcap is None and alibi_slopes is None and sinks is None
+
+
 def _int_vector(x, name: str, n: int) -> np.ndarray:
     a = np.asarray(x)
     if a.dtype.kind not in "iu":
@@ -312,6 +319,12 @@ def kvcache_attention(
     The score variants (window, softcap, alibi_slopes, sinks) are those of
     scaled_dot_product_attention. Returns ``(B, Hq, Lq, Ev)`` (and the lse ``(B, Hq, Lq)``).
     """
+    if k_scale is None and v_scale is None and out is None and _plain(window, softcap, alibi_slopes, sinks):
+        # The everyday call in C (see _core.kvcache_small): None, with nothing written, for
+        # anything else, which _cache_attention defines and checks.
+        r = _kvcache_small(query, k_cache, v_cache, cache_lens, k_new, v_new, block_table, scale, is_causal, return_lse)
+        if r is not None:
+            return r
     return _cache_attention(
         query, k_cache, v_cache, cache_lens, k_new=k_new, v_new=v_new, new_lens=None, block_table=block_table,
         k_scale=k_scale, v_scale=v_scale, scale=scale, is_causal=is_causal, window=window, softcap=softcap,
@@ -440,14 +453,23 @@ class KVCache:
         # the table and a grown pool are put back as they were.
         undo = self._reserve(needed) if self.block_table is not None else None
         try:
-            res = _cache_attention(
-                query, self.k, self.v, self._lens, k_new=k_new, v_new=v_new, new_lens=new_lens,
-                block_table=self.block_table, k_scale=self.k_scale, v_scale=self.v_scale,
-                scale=variants.get("scale"), is_causal=variants.get("is_causal", True),
-                window=variants.get("window"), softcap=variants.get("softcap"),
-                alibi_slopes=variants.get("alibi_slopes"), sinks=variants.get("sinks"),
-                return_lse=variants.get("return_lse", False), out=variants.get("out"),
-            )  # fmt: skip
+            res = None
+            get = variants.get
+            if new_lens is None and self.k_scale is None and get("out") is None:
+                if _plain(get("window"), get("softcap"), get("alibi_slopes"), get("sinks")):
+                    res = _kvcache_small(
+                        query, self.k, self.v, self._lens, k_new, v_new, self.block_table, get("scale"),
+                        get("is_causal", True), get("return_lse", False),
+                    )  # fmt: skip
+            if res is None:
+                res = _cache_attention(
+                    query, self.k, self.v, self._lens, k_new=k_new, v_new=v_new, new_lens=new_lens,
+                    block_table=self.block_table, k_scale=self.k_scale, v_scale=self.v_scale,
+                    scale=variants.get("scale"), is_causal=variants.get("is_causal", True),
+                    window=variants.get("window"), softcap=variants.get("softcap"),
+                    alibi_slopes=variants.get("alibi_slopes"), sinks=variants.get("sinks"),
+                    return_lse=variants.get("return_lse", False), out=variants.get("out"),
+                )  # fmt: skip
         except BaseException:
             if undo is not None:
                 undo()

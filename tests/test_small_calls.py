@@ -225,3 +225,138 @@ def test_property_bitwise_equal(lead, Lq, Lk, E, Ev, causal, bottom_right, f64, 
         _api._sdpa_small = real
     for g, w in zip(got if lse else (got,), want if lse else (want,)):
         np.testing.assert_array_equal(g, w)
+
+
+# ----------------------------------------------------------------------------- kvcache_small
+
+from pyattn import _kvcache  # noqa: E402
+
+
+def _cache_case(rng, *, B=3, Hq=8, Hkv=2, Lq=1, E=16, Ev=12, Lmax=40, paged=False, dtype=np.float32):
+    lens = rng.integers(0, Lmax - Lq, B).astype(np.int64)
+    q = rng.standard_normal((B, Hq, Lq, E)).astype(dtype)
+    kn = rng.standard_normal((B, Hkv, Lq, E)).astype(dtype)
+    vn = rng.standard_normal((B, Hkv, Lq, Ev)).astype(dtype)
+    if paged:
+        bs, per = 8, -(-Lmax // 8)
+        table = rng.permutation(B * per + 3)[: B * per].reshape(B, per).astype(np.int32)
+        kc = rng.standard_normal((B * per + 3, Hkv, bs, E)).astype(dtype)
+        vc = rng.standard_normal((B * per + 3, Hkv, bs, Ev)).astype(dtype)
+    else:
+        table = None
+        kc = rng.standard_normal((B, Hkv, Lmax, E)).astype(dtype)
+        vc = rng.standard_normal((B, Hkv, Lmax, Ev)).astype(dtype)
+    return q, kc, vc, lens, kn, vn, table
+
+
+def _general_cache(q, kc, vc, lens, kn, vn, table, *, scale=None, is_causal=True, return_lse=False):
+    return _kvcache._cache_attention(
+        q, kc, vc, lens, k_new=kn, v_new=vn, new_lens=None, block_table=table, k_scale=None, v_scale=None,
+        scale=scale, is_causal=is_causal, window=None, softcap=None, alibi_slopes=None, sinks=None,
+        return_lse=return_lse, out=None,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("append", [True, False], ids=["append", "read"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("Lq, Hq, Hkv, causal", [(1, 8, 2, True), (3, 4, 4, True), (5, 6, 3, False), (1, 1, 1, True)])
+def test_kvcache_bitwise_equal_to_the_general_path(isa, paged, append, dtype, Lq, Hq, Hkv, causal):
+    rng = np.random.default_rng(Lq * 100 + Hq + Hkv)
+    case = _cache_case(rng, Hq=Hq, Hkv=Hkv, Lq=Lq, paged=paged, dtype=dtype)
+    q, kc, vc, lens, kn, vn, table = case
+    if not append:
+        kn = vn = None
+    kc2, vc2 = kc.copy(), vc.copy()
+    got = _core.kvcache_small(q, kc, vc, lens, kn, vn, table, None, causal, True)
+    assert got is not None, "the fast path declined an everyday call"
+    want = _general_cache(q, kc2, vc2, lens, kn, vn, table, is_causal=causal, return_lse=True)
+    np.testing.assert_array_equal(kc, kc2)  # the same tokens written in the same places
+    np.testing.assert_array_equal(vc, vc2)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(g, w)
+
+
+def test_kvcache_public_function_and_kvcache_class_take_it(monkeypatch):
+    calls = []
+    real = _kvcache._kvcache_small
+    monkeypatch.setattr(_kvcache, "_kvcache_small", lambda *a: calls.append(a) or real(*a))
+    rng = np.random.default_rng(7)
+    q, kc, vc, lens, kn, vn, _ = _cache_case(rng)
+    pyattn.kvcache_attention(q, kc, vc, lens, k_new=kn, v_new=vn)
+    assert len(calls) == 1
+    for kw in ({"max_len": 64}, {"block_size": 4}):
+        calls.clear()
+        cache = pyattn.KVCache(3, 2, 16, v_head_dim=12, **kw)
+        steps = [_cache_case(rng) for _ in range(6)]
+        for q, _, _, _, kn, vn, _ in steps:
+            out = cache.attend(q, kn, vn)
+        assert len(calls) == 6, kw
+        np.testing.assert_array_equal(cache.lens, [6, 6, 6])
+        # the last step against the reference over every token appended
+        keys = np.concatenate([s[4] for s in steps], axis=2)
+        vals = np.concatenate([s[5] for s in steps], axis=2)
+        ref = reference.scaled_dot_product_attention(
+            steps[-1][0], keys, vals, is_causal=True, causal_align="bottom_right", enable_gqa=True
+        )
+        np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def _kvcache_decline_cases():
+    rng = np.random.default_rng(11)
+    q, kc, vc, lens, kn, vn, table = _cache_case(rng, Lmax=40)
+    _, pkc, pvc, _, _, _, ptable = _cache_case(rng, Lmax=40, paged=True)
+    ro = kc.copy()
+    ro.flags.writeable = False
+    base = dict(query=q, k_cache=kc, v_cache=vc, cache_lens=lens, k_new=kn, v_new=vn, block_table=None)
+    over = lens.copy()
+    over[1] = 40
+    bad_table = ptable.copy()
+    bad_table[0, 0] = pkc.shape[0]
+    return {
+        "float16 cache": dict(base, k_cache=kc.astype(np.float16), v_cache=vc.astype(np.float16)),
+        "float64 cache, float32 query": dict(base, k_cache=kc.astype(np.float64), v_cache=vc.astype(np.float64)),
+        "float64 new tokens": dict(base, k_new=kn.astype(np.float64)),
+        "only k_new": dict(base, v_new=None),
+        "lens a list": dict(base, cache_lens=lens.tolist()),
+        "lens int32": dict(base, cache_lens=lens.astype(np.int32)),
+        "negative lens": dict(base, cache_lens=-lens - 1),
+        "overflow": dict(base, cache_lens=over),
+        "read-only cache": dict(base, k_cache=ro),
+        "k_new inside the cache": dict(base, k_new=kc[:, :, 30:31]),
+        "3-D query": dict(base, query=q[0]),
+        "query heads not a multiple": dict(base, query=q[:, :3]),
+        "block table int64": dict(base, k_cache=pkc, v_cache=pvc, block_table=ptable.astype(np.int64)),
+        "block outside the cache": dict(base, k_cache=pkc, v_cache=pvc, block_table=bad_table),
+        "strided new feature axis": dict(base, k_new=np.repeat(kn, 2, axis=-1)[..., ::2]),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_kvcache_decline_cases()))
+def test_kvcache_declines_and_writes_nothing(name):
+    """Every other call returns None before writing anything (kvcache_attention then runs its
+    general path, whose results and errors tests/test_kvcache.py covers)."""
+    kw = _kvcache_decline_cases()[name]
+    caches = [kw["k_cache"].copy(), kw["v_cache"].copy()]
+    r = _core.kvcache_small(*kw.values(), None, True, False)
+    assert r is None
+    np.testing.assert_array_equal(kw["k_cache"], caches[0])
+    np.testing.assert_array_equal(kw["v_cache"], caches[1])
+
+
+def test_kvcache_other_keywords_reach_the_general_path(monkeypatch):
+    calls = []
+    real = _kvcache._kvcache_small
+    monkeypatch.setattr(_kvcache, "_kvcache_small", lambda *a: calls.append(a) or real(*a))
+    rng = np.random.default_rng(3)
+    q, kc, vc, lens, kn, vn, _ = _cache_case(rng)
+    for kw in ({"window": (4, 0)}, {"softcap": 3.0}, {"sinks": np.zeros(8)}, {"alibi_slopes": np.ones(8)}):
+        pyattn.kvcache_attention(q, kc.copy(), vc.copy(), lens, k_new=kn, v_new=vn, **kw)
+    pyattn.kvcache_attention(q, kc.copy(), vc.copy(), lens, k_new=kn, v_new=vn, out=np.empty((3, 8, 1, 12), np.float32))
+    assert not calls
+
+
+def test_kvcache_small_argument_count():
+    with pytest.raises(TypeError, match="10 positional"):
+        _core.kvcache_small(1, 2)
