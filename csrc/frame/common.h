@@ -7,18 +7,18 @@ template <class T>
 struct NumLimits;
 template <>
 struct NumLimits<float> {
-  static constexpr float inf = __builtin_huge_valf();
+  static constexpr float inf = std::numeric_limits<float>::infinity();
 };
 template <>
 struct NumLimits<double> {
-  static constexpr double inf = __builtin_huge_val();
+  static constexpr double inf = std::numeric_limits<double>::infinity();
 };
 
 // A profiling build (cmake -DPYATTN_PROFILE=ON, tools/profile.sh) keeps each attention phase a
 // function of its own so that perf attributes samples to it; normal builds inline them.
 #ifndef PYATTN_PHASE
 #ifdef PYATTN_PROFILE
-#define PYATTN_PHASE __attribute__((noinline))
+#define PYATTN_PHASE PYATTN_NOINLINE
 #else
 #define PYATTN_PHASE
 #endif
@@ -120,7 +120,7 @@ struct ScoreMods {
 inline float to_float(bf16_t h) {
   const std::uint32_t u = std::uint32_t(h.bits) << 16;
   float f;
-  __builtin_memcpy(&f, &u, 4);
+  std::memcpy(&f, &u, 4);
   return f;
 }
 inline float to_float(f16_t h) {
@@ -134,11 +134,11 @@ inline float to_float(f16_t h) {
     u = sign;  // +-0
   } else {     // subnormal: man * 2^-24, exact in float
     float f = float(man) * 5.9604644775390625e-8f;
-    __builtin_memcpy(&u, &f, 4);
+    std::memcpy(&u, &f, 4);
     u |= sign;
   }
   float f;
-  __builtin_memcpy(&f, &u, 4);
+  std::memcpy(&f, &u, 4);
   return f;
 }
 inline float to_float(std::int8_t x) { return float(x); }
@@ -175,7 +175,7 @@ template <class T>
 inline void prefetch_rows_l2(const T* p, index_t rs, index_t rows, index_t cols) {
   constexpr index_t line = 64 / sizeof(T);
   for (index_t r = 0; r < rows; ++r)
-    for (index_t c = 0; c < cols; c += line) __builtin_prefetch(p + r * rs + c, 0, 2);
+    for (index_t c = 0; c < cols; c += line) PYATTN_PREFETCH_L2(p + r * rs + c);
 }
 
 template <class T>

@@ -1,9 +1,12 @@
 // Run-time choice of the kernel set, the thread count and per-thread scratch.
 // Compiled with baseline flags only: it must run on any CPU to decide which kernels can.
 #include "frame/api.h"
+#include "frame/portable.h"
 
 #include <omp.h>
+#if !defined(_WIN32)
 #include <pthread.h>
+#endif
 
 #include <atomic>
 #include <cstdlib>
@@ -17,14 +20,22 @@ namespace {
 
 #if defined(PYATTN_HAVE_X86)  // cpuid: only an x86 build asks (other targets have no such flags)
 bool cpu_has_avx2() {
+#if PYATTN_MSVC
+  return portable::x86_has(false);
+#else
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
 }
 
 bool cpu_has_avx512() {
+#if PYATTN_MSVC
+  return portable::x86_has(true);
+#else
   __builtin_cpu_init();
   return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+#endif
 }
 #endif
 
@@ -83,6 +94,7 @@ std::atomic<int> g_threads{0};
 std::atomic<bool> g_team_started{false};  // this process has started an OpenMP team
 std::atomic<bool> g_forked{false};        // ...and this is a child forked after that
 
+#if !defined(_WIN32)  // Windows has no fork()
 // Runs in the child of fork(): libgomp's pool threads were not copied, and the next region of
 // more than one thread would wait on them forever. The child computes on one thread instead.
 // A child forked before any team keeps the full count (its first region makes a fresh pool).
@@ -90,6 +102,7 @@ void on_fork_child() {
   if (g_team_started.load(std::memory_order_relaxed)) g_forked.store(true, std::memory_order_relaxed);
 }
 [[maybe_unused]] const int g_atfork = pthread_atfork(nullptr, nullptr, on_fork_child);
+#endif
 
 }  // namespace
 
@@ -143,7 +156,7 @@ namespace {
 struct ScratchSlot {
   void* ptr = nullptr;
   std::size_t size = 0;
-  ~ScratchSlot() { std::free(ptr); }
+  ~ScratchSlot() { portable::aligned_free(ptr); }
 };
 thread_local ScratchSlot t_scratch[8];
 }  // namespace
@@ -151,9 +164,9 @@ thread_local ScratchSlot t_scratch[8];
 void* scratch(int slot, std::size_t bytes) {
   ScratchSlot& s = t_scratch[slot];
   if (bytes > s.size) {
-    std::free(s.ptr);
+    portable::aligned_free(s.ptr);
     std::size_t sz = (bytes + 4095) & ~std::size_t(4095);  // whole pages: fewer regrowths
-    s.ptr = std::aligned_alloc(64, sz);
+    s.ptr = portable::aligned_alloc(64, sz);
     if (!s.ptr) {
       s.size = 0;
       throw std::bad_alloc();

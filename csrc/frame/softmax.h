@@ -15,7 +15,9 @@ struct Softmax {
     for (index_t j = 0; j < n; ++j) y[j] = x[j * xcs] * sc;
     apply_mask_row(s.mask_kind, s.mask, s.mask_kind == MaskKind::none ? 0 : s.moff[r], s.mcs, n, y, 1);
     T mx = -NumLimits<T>::inf;
+#if !PYATTN_MSVC  // MSVC's OpenMP has no max reduction (an OpenMP 3.1 operator)
 #pragma omp simd reduction(max : mx)
+#endif
     for (index_t j = 0; j < n; ++j) mx = y[j] > mx ? y[j] : mx;
     return mx;
   }

@@ -6,8 +6,10 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <limits>
 #include <type_traits>
 
 #include "frame/api.h"
+#include "frame/portable.h"
