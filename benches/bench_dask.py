@@ -15,10 +15,19 @@ Q, K and V are persisted on each cluster before timing, so a timed call moves Q 
 computes, merges and gathers the (B, H, L, D) output into this process, as a user's
 ``.compute()`` does. Every item checks its output against the single-process call. Needs dask
 and distributed (the ``dask`` extra); skipped without them.
+
+pytest-benchmark times the items one after the other. On a machine shared with other jobs, run
+the interleaved comparison instead (every item once per round, rotating the order, medians and
+per-round ratios printed):
+
+    python benches/bench_dask.py --rounds 11 --key-chunks 2,4
 """
 
 from __future__ import annotations
 
+import argparse
+import statistics
+import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -27,9 +36,14 @@ from benchutil import SmokeCase, assert_close, attention_flops, normal, rng_for,
 
 import pyattn
 
-dask = pytest.importorskip("dask")
-da = pytest.importorskip("dask.array")
-distributed = pytest.importorskip("distributed")
+if __name__ == "__main__":  # the interleaved comparison needs no pytest
+    import dask
+    import dask.array as da
+    import distributed
+else:
+    dask = pytest.importorskip("dask")
+    da = pytest.importorskip("dask.array")
+    distributed = pytest.importorskip("distributed")
 
 import pyattn.dask  # noqa: E402
 
@@ -113,3 +127,85 @@ def test_dask_keys(benchmark, case, data, clusters, impl):
 
     got = run_timed(benchmark, fn)
     assert_close(got, expected, 1e-5, impl)
+
+
+def _start(n_workers):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cluster = distributed.LocalCluster(
+            n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=None, silence_logs=40
+        )
+    return cluster, distributed.Client(cluster, set_as_default=False)
+
+
+def interleaved(rounds: int, key_chunks, case: Case):
+    """Every item once per round, the order rotating; returns {item: [seconds per round]}."""
+    rng = rng_for("dask", case.name)
+    shape = (case.b, case.h, case.l, case.d)
+    q, k, v = normal(rng, shape), normal(rng, shape), normal(rng, shape)
+    expected = pyattn.scaled_dot_product_attention(q, k, v)
+    clusters = {n: _start(n) for n in (2, 1)}
+    items = {}
+    try:
+        for n, (_, client) in clusters.items():
+            for nc in key_chunks:
+                kc = -(-case.l // nc)
+                arrays = [
+                    da.from_array(x, chunks=(case.b, case.h, c, case.d)) for x, c in ((q, case.l), (k, kc), (v, kc))
+                ]
+                dq, dk, dv = client.persist(arrays)
+                client.gather(distributed.futures_of([dq, dk, dv]))
+                out = pyattn.dask.scaled_dot_product_attention(dq, dk, dv)
+                items[f"dask-{n}w keys/{nc}"] = lambda client=client, out=out: client.compute(out, sync=True)
+        for t in (2, 1):
+
+            def single(t=t):
+                with pyattn.num_threads(t):
+                    return pyattn.scaled_dot_product_attention(q, k, v)
+
+            items[f"pyattn-{t}t"] = single
+        for name, fn in items.items():  # warm-up, and every item checked once
+            assert_close(fn(), expected, 1e-5, name)
+        times = {name: [] for name in items}
+        names = list(items)
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                time.sleep(0.2)
+                t0 = time.perf_counter()
+                items[name]()
+                times[name].append(time.perf_counter() - t0)
+        return times
+    finally:
+        for cluster, client in clusters.values():
+            client.close()
+            cluster.close()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="pyattn.dask sharded by keys: 2 workers vs 1 vs one process, interleaved")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--key-chunks", default="2,4")
+    ap.add_argument("--l", type=int, default=Case.l)
+    args = ap.parse_args(argv)
+    case = Case(l=args.l)
+    chunks = [int(c) for c in args.key_chunks.split(",")]
+    times = interleaved(args.rounds, chunks, case)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    print(f"{case.name.replace('keys/4', '')}, {args.rounds} interleaved rounds, medians:")
+    for name, m in med.items():
+        print(f"  {name:16s} {m:7.3f} s")
+    for nc in chunks:
+        w2, w1 = times[f"dask-2w keys/{nc}"], times[f"dask-1w keys/{nc}"]
+        r1 = [b / a for a, b in zip(w2, w1)]
+        r2 = [p / a for a, p in zip(w2, times["pyattn-2t"])]
+        print(
+            f"keys/{nc}: 1 worker / 2 workers {med[f'dask-1w keys/{nc}'] / med[f'dask-2w keys/{nc}']:.2f} "
+            f"(target >= 1.7; per round {min(r1):.2f}-{max(r1):.2f}), "
+            f"pyattn 2 threads / 2 workers {med['pyattn-2t'] / med[f'dask-2w keys/{nc}']:.2f} "
+            f"(target >= 0.85; per round {min(r2):.2f}-{max(r2):.2f})"
+        )
+    print(f"pyattn 1 thread / 2 threads {med['pyattn-1t'] / med['pyattn-2t']:.2f} (how much a second core gave)")
+
+
+if __name__ == "__main__":
+    main()
