@@ -84,9 +84,8 @@ struct has_kloop<Ops, std::void_t<decltype(&Ops::template kloop<1, 1>)>> : std::
 // vectors of B are loaded per k step (rows ldb apart), M*NV accumulators stay in registers and
 // are handed to the epilogue `epi`, inlined, so that they never leave the registers in between.
 template <class Ops, int NV, int M, class Epi>
-static inline __attribute__((always_inline)) void gemm_regtile(index_t k, const typename Ops::T* a, index_t rsa,
-                                                               index_t csa, const typename Ops::T* b, index_t ldb,
-                                                               Epi&& epi) {
+static PYATTN_ALWAYS_INLINE void gemm_regtile(index_t k, const typename Ops::T* a, index_t rsa, index_t csa,
+                                              const typename Ops::T* b, index_t ldb, Epi&& epi) {
   using V = typename Ops::V;
   constexpr int L = Ops::L;
   V acc[M][NV];
@@ -209,9 +208,8 @@ alignas(64) static constexpr T kIota[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11
 // |base + c - r| (ALIBI), with
 // dcol[v] holding base + v*L + lane.
 template <class Ops, bool CAP, bool ALIBI>
-static inline __attribute__((always_inline)) typename Ops::V apply_mods(typename Ops::V s,
-                                                                        const ScoreMods<typename Ops::T>& md,
-                                                                        typename Ops::V dcol, int r) {
+static PYATTN_ALWAYS_INLINE typename Ops::V apply_mods(typename Ops::V s, const ScoreMods<typename Ops::T>& md,
+                                                       typename Ops::V dcol, int r) {
   using T = typename Ops::T;
   if constexpr (CAP) s = Ops::mul(Ops::set1(md.cap), tanh_v<Ops>(s));
   if constexpr (ALIBI) s = Ops::fma(Ops::set1(md.nslope), Ops::abs(Ops::sub(dcol, Ops::set1(T(r)))), s);
@@ -221,10 +219,8 @@ static inline __attribute__((always_inline)) typename Ops::V apply_mods(typename
 // mods(s) + nsub, with the cap's product and the ALiBi term folded into FMAs (one operation a
 // vector fewer than apply_mods then an add: the epilogue runs once per score).
 template <class Ops, bool CAP, bool ALIBI>
-static inline __attribute__((always_inline)) typename Ops::V mods_plus(typename Ops::V s,
-                                                                       const ScoreMods<typename Ops::T>& md,
-                                                                       typename Ops::V dcol, int r,
-                                                                       typename Ops::V nsub) {
+static PYATTN_ALWAYS_INLINE typename Ops::V mods_plus(typename Ops::V s, const ScoreMods<typename Ops::T>& md,
+                                                      typename Ops::V dcol, int r, typename Ops::V nsub) {
   using T = typename Ops::T;
   typename Ops::V rest = nsub;
   if constexpr (ALIBI) rest = Ops::fma(Ops::set1(md.nslope), Ops::abs(Ops::sub(dcol, Ops::set1(T(r)))), rest);

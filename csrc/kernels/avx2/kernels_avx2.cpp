@@ -97,7 +97,7 @@ struct OpsF32 {
   template <class H>
   static __m128i load_half_n(int n, const H* p) {
     alignas(16) std::uint16_t buf[8] = {};
-    __builtin_memcpy(buf, p, std::size_t(n < 8 ? n : 8) * 2);
+    std::memcpy(buf, p, std::size_t(n < 8 ? n : 8) * 2);
     return _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
   }
   static V load_f16_n(Mask, int n, const f16_t* p) { return _mm256_cvtph_ps(load_half_n(n, p)); }
@@ -107,7 +107,7 @@ struct OpsF32 {
   }
   static V load_i8_n(Mask, int n, const std::int8_t* p) {
     alignas(16) std::int8_t buf[16] = {};
-    __builtin_memcpy(buf, p, std::size_t(n < 8 ? n : 8));
+    std::memcpy(buf, p, std::size_t(n < 8 ? n : 8));
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(buf))));
   }
   static V load_bf16_n(Mask, int n, const bf16_t* p) { return bf16_bits(load_half_n(n, p)); }
