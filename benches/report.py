@@ -618,7 +618,7 @@ def plot_run(data: dict, out: Path, stat: str = "median") -> None:
     ax.set_ylabel("GFLOP/s (4*B*H*Lq*Lk*D, halved for causal)")
     ax.set_title(f"attention, float32 ({stat} times)", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="lower right")
     shapes = sorted(decode)
     impls = sorted({i for d in decode.values() for i in d}, key=_rank)
     width = 0.8 / max(1, len(impls))
@@ -633,7 +633,7 @@ def plot_run(data: dict, out: Path, stat: str = "median") -> None:
     bx.set_xticklabels([s.replace(" Lq1", "\nLq1") for s in shapes], fontsize=7)
     bx.set_ylabel("GB/s (q, k, v and output bytes / time)")
     bx.set_title(f"decode ({stat} times)", fontsize=10)
-    bx.legend(fontsize=7)
+    bx.legend(fontsize=7, loc="lower right")
     bx.grid(alpha=0.3, axis="y")
     cpu = mi.get("cpu", {}).get("brand_raw", "?")
     fig.suptitle(
