@@ -258,10 +258,10 @@ FOCUS_K = (
 FOCUS_MAX_TIME = "0.5"
 
 # Thresholds of --compare, from the spread measured on the Zen 5 dev VM (python benches/report.py
-# --spread: 4 runs of the focused set, one build of one commit, 1 thread, CPU time, the 2 cores
+# --spread: 5 runs of the focused set, one build of one commit, 1 thread, CPU time, the 2 cores
 # shared with other sessions' builds and tests at a load average of 7-18, 2026-11-30; see
-# docs/performance.md). Over the 6 pairs of runs, a group's consensus change (the median of its
-# ratios' changes, group_change) moved by up to 16.4% (90th percentile 11.3%), a single ratio by
+# docs/performance.md). Over the 10 pairs of runs, a group's consensus change (the median of its
+# ratios' changes, group_change) moved by up to 17.8% (90th percentile 9.9%), a single ratio by
 # up to 21.6%, the median over all groups by up to 5.1%. A drop beyond these, rounded up, is
 # flagged: smaller ones on a single group are within what pyattn's own time moves between runs
 # of the same code (the peers cannot cancel that part), and show only as a trend.
