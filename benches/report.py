@@ -606,11 +606,12 @@ def plot_run(data: dict, out: Path, stat: str = "median") -> None:
     if peak:
         ax.axhline(peak, color="k", ls=":", lw=1)
         ax.text(
-            0.01,
+            0.99,
             peak,
             f"sgemm peak, same run ({peak:.0f})",
             fontsize=7,
             va="bottom",
+            ha="right",
             transform=ax.get_yaxis_transform(),
         )
     ax.set_xscale("log", base=2)
@@ -618,7 +619,7 @@ def plot_run(data: dict, out: Path, stat: str = "median") -> None:
     ax.set_ylabel("GFLOP/s (4*B*H*Lq*Lk*D, halved for causal)")
     ax.set_title(f"attention, float32 ({stat} times)", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
     shapes = sorted(decode)
     impls = sorted({i for d in decode.values() for i in d}, key=_rank)
     width = 0.8 / max(1, len(impls))
@@ -633,7 +634,7 @@ def plot_run(data: dict, out: Path, stat: str = "median") -> None:
     bx.set_xticklabels([s.replace(" Lq1", "\nLq1") for s in shapes], fontsize=7)
     bx.set_ylabel("GB/s (q, k, v and output bytes / time)")
     bx.set_title(f"decode ({stat} times)", fontsize=10)
-    bx.legend(fontsize=7, loc="lower right")
+    bx.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     bx.grid(alpha=0.3, axis="y")
     cpu = mi.get("cpu", {}).get("brand_raw", "?")
     fig.suptitle(
