@@ -116,6 +116,12 @@ def header(data: dict) -> list:
         f"{pa.get('num_threads')} threads, best of 5 at the start and at the end): "
         f"{_fmt(bw, '.1f')} GB/s"
     )
+    if mi.get("bench_key"):
+        lines.append(
+            f"- machine key {mi['bench_key']}, {mi.get('timer', 'wall')} clock; commit "
+            f"{(data.get('commit_info', {}).get('id') or '?')[:10]}"
+            + (" with uncommitted library changes" if data.get("commit_info", {}).get("dirty") else "")
+        )
     load = mi.get("loadavg_end")
     if load:
         lines.append(
