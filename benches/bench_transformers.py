@@ -23,7 +23,14 @@ Under ``--benchmark-disable`` (the CI smoke) the models are 2 layers of hidden 6
 
 ``python benches/bench_transformers.py`` measures the end-to-end figures instead: prefill and
 decode tokens/s of pyattn and sdpa interleaved (median of --repeats), and the share of each
-model's time spent in its attention function (timed around every call).
+model's time spent in its attention function (timed around every call). ``--static N`` adds
+the llama model on a StaticCache of N slots (sdpa then reads all N through a mask, pyattn only
+the filled part through kv_lens).
+
+On a machine whose cores are shared with other work, run it with ``OMP_WAIT_POLICY=passive``:
+torch's and pyattn's OpenMP threads otherwise spin between the many short parallel regions of a
+decode step, and on the 2-core development VM under a load of 5-20 that made every decode step
+4-5x slower, for either attention (measured: 61-86 ms against 15-17 ms a token).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import os
 import statistics
 import sys
 import time
@@ -286,7 +294,8 @@ def main(argv=None) -> int:
         cases = [FULL[0]] + [Case("mistral", 8192, window=int(w)) for w in args.windows.split(",") if w]
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, pyattn {pyattn.__version__}; "
-        f"{args.threads} threads each; medians of {args.repeats} interleaved repeats, {args.steps} decode steps each"
+        f"{args.threads} threads each; medians of {args.repeats} interleaved repeats, {args.steps} decode steps each; "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}"
     )
     runs = [(case, None) for case in cases]
     if args.static:
