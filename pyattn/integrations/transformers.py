@@ -284,6 +284,13 @@ def _fused(pattern, B: int, Lq: int, Lk: int, shift: int, padding, kv_offset: in
             else:
                 key_mask = _numpy(pad.cpu())[:, None, None, :]
     window = _window_sides(causal, sliding)
+    if window is not None:
+        # A window that hides no key is left out (a decode step against a sliding cache, a
+        # prompt shorter than the window), so that the call takes pyattn's plain path. Query i
+        # sees keys from i + shift - left to i + shift + right.
+        left, right = window
+        cuts = Lq - 1 + shift - left > 0 or (not causal and shift + right < Lk - 1)
+        window = window if cuts else None
     if shift == 0:
         # top_left: kv_lens only hides keys, the alignment does not move
         return PyattnMask(shape, key_mask, is_causal=causal, causal_align="top_left", window=window, kv_lens=lengths)
