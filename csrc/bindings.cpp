@@ -636,6 +636,7 @@ PYBIND11_MODULE(_core, m) {
   });
   m.def("get_num_threads", &pyattn::get_num_threads);
   m.def("set_num_threads", &pyattn::set_num_threads, py::arg("n"));
+  m.def("thread_setting", &pyattn::thread_setting, "The count set_num_threads stored, 0 when unset (OpenMP's).");
   m.def("default_num_threads", &pyattn::default_num_threads);
   m.def("forked_after_team", &pyattn::forked_after_team,
         "Whether this process was forked after its parent ran a multi-threaded call (it runs on one thread).");

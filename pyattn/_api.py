@@ -410,7 +410,7 @@ def get_num_threads() -> int:
 def num_threads(n: int):
     """Context manager: run the block with ``n`` threads, then restore the previous count."""
     n = _thread_count(n)
-    old = _core.get_num_threads()
+    old = _core.thread_setting()  # 0 when unset: restored as unset, so threadpoolctl's limits reach pyattn again
     _core.set_num_threads(n)
     try:
         yield n

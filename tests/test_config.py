@@ -200,3 +200,25 @@ def test_env_var_unknown_isa_still_imports():
     assert any(
         cat == "RuntimeWarning" and "PYATTN_ISA" in msg and "not-an-isa" in msg for cat, msg in out["warnings"]
     ), out["warnings"]
+
+
+def test_num_threads_restores_an_unset_count():
+    """After ``with num_threads(k)`` an unset thread count is unset again, so OpenMP's count (and
+    threadpoolctl's limits on it) reach pyattn as before; an explicit count comes back as it was."""
+    code = (
+        "import pyattn\n"
+        "from threadpoolctl import threadpool_limits\n"
+        "with pyattn.num_threads(1):\n"
+        "    assert pyattn.get_num_threads() == 1\n"
+        "assert pyattn._core.thread_setting() == 0\n"
+        "with threadpool_limits(1):\n"
+        "    assert pyattn.get_num_threads() == 1, pyattn.get_num_threads()\n"
+        "pyattn.set_num_threads(3)\n"
+        "with pyattn.num_threads(1):\n"
+        "    pass\n"
+        "assert pyattn.get_num_threads() == 3\n"
+    )
+    pytest.importorskip("threadpoolctl")
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr

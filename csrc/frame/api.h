@@ -110,7 +110,8 @@ std::string isa_reason();               // why the kernel set in use was chosen,
 int isa_supported(const char* name);
 int default_num_threads();
 int get_num_threads();
-void set_num_threads(int n);
+void set_num_threads(int n);  // 0: unset, OpenMP's count (which threadpoolctl can limit)
+int thread_setting();         // what set_num_threads last stored (0: unset)
 // Called before every OpenMP region with more than one thread (frame/common.h's team()): a
 // process forked after that cannot use GNU OpenMP's thread pool, whose threads are not copied
 // into the child, so it computes on one thread (get_num_threads() returns 1 there).

@@ -145,6 +145,7 @@ int get_num_threads() {
 }
 
 void set_num_threads(int n) { g_threads.store(n, std::memory_order_relaxed); }
+int thread_setting() { return g_threads.load(std::memory_order_relaxed); }
 
 void note_team_started() {
   if (!g_team_started.load(std::memory_order_relaxed)) g_team_started.store(true, std::memory_order_relaxed);
