@@ -652,7 +652,9 @@ struct Attention {
       for (index_t d = 0; d < Ev; ++d) r.acc[x * Ev + d] = T(0);
     }
     const Problem pg = problem(h0);  // the group's K/V
-    T ks[DB];                        // int8: this block's key scales
+    // Whether the call's K/V (all groups, all keys) fit in half a typical L3.
+    const bool cached = double(a.bh / a.group) * double(a.Lk) * double(E + Ev) * double(sizeof(KV)) <= 16.0 * (1 << 20);
+    T ks[DB];  // int8: this block's key scales
     // Where this block's keys (cur) and those PFD blocks ahead (nxt) lie: row j is row
     // slot[j] of page page[j] (page 0, slot = key for a contiguous cache), stepped through the
     // pages once per block rather than divided out per row.
@@ -679,11 +681,12 @@ struct Attention {
       // s[x, j] = q_x . k_j, key rows read in order (see kernels/x86_simd.h). Prefetched, one
       // row per key: this block's V (for pv_rows below), and K and V PFD blocks ahead, so that
       // neither stream starts cold at a block boundary.
-      // One query row (no grouped heads): L keys at a time (kernels/x86_simd.h dot_keys), the
-      // prefetches between the keys as before. Grouped rows keep the key-by-key loop: the same
-      // restructuring, or an unrolled prefetch, measured up to 1.6x slower on a cache streamed
-      // from memory (Hkv8 Lk32768 D128), for reasons not found.
-      if (r.R == 1) {
+      // One query row (no grouped heads) over K/V that fit in cache: L keys at a time
+      // (kernels/x86_simd.h dot_keys), the prefetches between the keys as before. Streamed from
+      // memory, the key-by-key loop is faster (L keys at a time measured 1.10-1.15x slower on one
+      // thread, H32 Lk4096 D128), as it is for grouped rows (up to 1.6x, Hkv8 Lk32768 D128); the
+      // cause was not found.
+      if (r.R == 1 && cached) {
         const KV* krows[DB];
         for (index_t j = 0; j < kb; ++j) krows[j] = krow(*cur, j);
         K::dot_keys(r.q, E, index_t(1), krows, kb, E, r.s, DB, [&](index_t j) {
