@@ -215,7 +215,7 @@ class _Block:
     """One task: a query chunk against a key chunk at offset d. The per-head and per-sequence
     values are the block's own slices."""
 
-    d: int
+    d: object  # the offset, or with kv_lens bottom-right one per sequence of the block (an array)
     q_heads: Optional[Tuple[int, int]]  # GQA: the query chunk's head range
     kv_base: int  # GQA: first kv head of the gathered kv blocks
     slopes: Optional[np.ndarray]
@@ -245,10 +245,28 @@ def _with_sinks(state, sinks, dtype):
     return o.astype(dtype, copy=False), l
 
 
+def _entry(x, b: tuple):
+    """Sequence b (an index over the first len(b) axes) of x, kept as axes of size 1; an axis of
+    size 1 (broadcast) is read at 0. None stays None."""
+    if x is None:
+        return None
+    x = np.asarray(x)
+    return x[tuple(slice(i, i + 1) if x.shape[t] != 1 else slice(None) for t, i in enumerate(b))]
+
+
 def _block_task(p: _Piece, blk: _Block, q, ks, vs, m):
     k = ks[0] if len(ks) == 1 else np.concatenate(ks, axis=-3)
     v = vs[0] if len(vs) == 1 else np.concatenate(vs, axis=-3)
-    if blk.q_heads is None:
+    if isinstance(blk.d, np.ndarray):  # one offset per sequence: each sequence on its own
+        lead = blk.d.shape + _lead(q, k, v, p)[blk.d.ndim :]
+        out, lse = _empty_state(lead, q.shape[-2], p)
+        for b in np.ndindex(*blk.d.shape):
+            one = _Block(int(blk.d[b]), blk.q_heads, blk.kv_base, _entry(blk.slopes, b), None, _entry(blk.kv_lens, b))
+            o, l = _block_task(p, one, _entry(q, b), [_entry(k, b)], [_entry(v, b)], _entry(m, b))
+            out[b] = o.reshape(out[b].shape)
+            lse[b] = l.reshape(lse[b].shape)
+        state = out, lse
+    elif blk.q_heads is None:
         state = _attend(q, k, v, m, blk.d, blk.slopes, blk.kv_lens, p)
     else:
         h0, h1 = blk.q_heads
@@ -453,12 +471,9 @@ def scaled_dot_product_attention(
     if is_causal:
         R = 0 if R is None else min(R, 0)
     positional = is_causal or window is not None or alibi_slopes is not None
-    if kv_lens is not None and positional and causal_align == "bottom_right":
-        raise NotImplementedError(
-            "pyattn.dask: kv_lens with causal_align='bottom_right' and is_causal/window/alibi_slopes aligns each "
-            "sequence at its own kv_lens[b] - Lq, which the block offsets do not follow; express the lengths as a "
-            "bool attn_mask (True where j < kv_lens[b] and j <= i + kv_lens[b] - Lq) instead"
-        )
+    # With kv_lens, bottom-right aligns each sequence at its own kv_lens[b] - Lq: the blocks then
+    # carry one offset per sequence (below), and each task runs its sequences one at a time.
+    per_seq = kv_lens is not None and positional and causal_align == "bottom_right"
     off = Lk - Lq if causal_align == "bottom_right" else 0
 
     q = _whole_last(_align(q, n + 2), "query")
@@ -545,9 +560,14 @@ def scaled_dot_product_attention(
         for i, (qs, qe) in enumerate(qb):
             states = []
             for j, (ks, ke) in enumerate(kb):
-                d = qs + off - ks
-                if _visible(qe - qs, ke - ks, d, L, R) is None:
-                    continue
+                if per_seq:
+                    d = qs + blk_lens.astype(np.int64) - Lq - ks
+                    if all(_visible(qe - qs, ke - ks, int(x), L, R) is None for x in d.reshape(-1)):
+                        continue
+                else:
+                    d = qs + off - ks
+                    if _visible(qe - qs, ke - ks, d, L, R) is None:
+                        continue
                 if blk_lens is not None and blk_lens.size and ks >= int(blk_lens.max()):
                     continue  # no sequence of this block has keys this far
                 kl = None if blk_lens is None else np.clip(blk_lens - ks, 0, ke - ks)

@@ -234,6 +234,31 @@ def test_kv_lens(client):
     _verify(client, cases)
 
 
+def test_kv_lens_bottom_right(client):
+    """Bottom-right with kv_lens aligns each sequence at its own kv_lens[b] - Lq: blocks carry one
+    offset per sequence (causal, window, ALiBi; GQA; Lq and Lk chunked)."""
+    q, k, v = _qkv((B, H, LQ, E), (B, H, LK, E), seed=10)
+    cq, ck = (1, 2, (10, 38), E), (1, 2, (14, 6, 20, 21), E)
+    cases = {}
+    variants = (
+        dict(is_causal=True),
+        dict(is_causal=True, alibi_slopes=np.linspace(0.2, 0.9, H)),
+        dict(window=(5, 2), sinks=np.zeros(H)),
+        dict(window=(7, 0), alibi_slopes=np.ones(H), softcap=3.0),
+    )
+    for t, kw in enumerate(variants):
+        for lens in ([LK, 30], [55, 49], [LQ, 0]):
+            cases[f"variant {t} kv_lens {lens}"] = _case(
+                q, k, v, cq, ck, kv_lens=np.array(lens), causal_align="bottom_right", **kw
+            )
+    qg, kg, vg = _qkv((B, 4, LQ, E), (B, 2, LK, E), seed=11)
+    cases["gqa"] = _case(
+        qg, kg, vg, (2, 4, (20, 28), E), (2, 1, (30, 31), E), kv_lens=np.array([61, 33]),
+        causal_align="bottom_right", is_causal=True, enable_gqa=True,
+    )  # fmt: skip
+    _verify(client, cases)
+
+
 def test_half_kv_empty_axes_and_1d_masks(client):
     """float16 K/V with a float32 query (read as they are, computed in float32); empty Lq, Lk or
     batch; masks with only a key axis, bool and float."""
@@ -428,8 +453,6 @@ def test_errors_unsupported_keywords():
         pdask.scaled_dot_product_attention(q, q, q, out=np.empty((1, 2, 16, 8), np.float32))
     with pytest.raises(TypeError):
         pdask.scaled_dot_product_attention(q, q, q, need_weights=True)
-    with pytest.raises(NotImplementedError, match="kv_lens with causal_align='bottom_right'"):
-        pdask.scaled_dot_product_attention(q, q, q, kv_lens=np.array([3]), is_causal=True, causal_align="bottom_right")
     for bad in (1, 0, 2.5, True):
         with pytest.raises(ValueError, match="split_every must be an int >= 2"):
             pdask.scaled_dot_product_attention(q, q, q, split_every=bad)
@@ -524,7 +547,7 @@ def _random_case(rng):
         kw["sinks"] = rng.standard_normal(hq)
     if rng.random() < 0.2:
         kw["softcap"] = 2.0
-    if rng.random() < 0.2 and (kw["causal_align"] == "top_left"):
+    if rng.random() < 0.2:
         kw["kv_lens"] = rng.integers(0, lk + 1, size=2)
     mask, mchunks = None, None
     qc, kc = split(lq), split(lk)
