@@ -158,10 +158,42 @@ void lead_offsets(const View& a, int nlead, index_t repeat, std::vector<index_t>
 
 int flag(PyObject* o) { return o == Py_True ? 1 : o == Py_False ? 0 : -1; }
 
-PyObject* new_array(int typenum, int nd, const Py_ssize_t* dims) {
+// A new C-contiguous array (uninitialised); throws the Python error when NumPy cannot make it.
+py::object new_array(int typenum, int nd, const Py_ssize_t* dims) {
   const auto& api = py::detail::npy_api::get();
-  return api.PyArray_NewFromDescr_(api.PyArray_Type_, api.PyArray_DescrFromType_(typenum), nd,
-                                   const_cast<Py_ssize_t*>(dims), nullptr, nullptr, 0, nullptr);
+  auto a = py::reinterpret_steal<py::object>(
+      api.PyArray_NewFromDescr_(api.PyArray_Type_, api.PyArray_DescrFromType_(typenum), nd,
+                                const_cast<Py_ssize_t*>(dims), nullptr, nullptr, 0, nullptr));
+  if (!a) throw py::error_already_set();
+  return a;
+}
+void* data_of(const py::object& a) { return py::detail::array_proxy(a.ptr())->data; }
+
+// Runs the float32 or float64 attention kernel on `a` without the GIL (unless `run` is false:
+// no key to read) and returns out, or (out, lse).
+PyObject* attend(const pyattn::AttnArgs& a, int typenum, py::object& out, const py::object& lse, bool want_lse,
+                 bool run = true) {
+  if (run) {
+    py::gil_scoped_release nogil;
+    pyattn::active_isa().attention[typenum == kFloat32 ? 0 : 1](a);
+  }
+  if (!want_lse) return out.release().ptr();
+  return PyTuple_Pack(2, out.ptr(), lse.ptr());
+}
+
+// f(), with whatever it throws turned into the Python error (nothing may escape into the C API).
+template <class F>
+PyObject* guarded(F&& f) {
+  try {
+    return f();
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
 }
 
 // sdpa_small(query, key, value, is_causal, causal_align, scale, enable_gqa, return_lse)
@@ -206,17 +238,15 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     Py_RETURN_NONE;
   }
 
-  try {
+  return guarded([&]() -> PyObject* {
     Py_ssize_t dims[kMaxDims];
     for (int i = 0; i < nlead; ++i) dims[i] = q.shape[i];
     dims[nlead] = Lq;
     dims[nlead + 1] = Ev;
-    py::object out = py::reinterpret_steal<py::object>(new_array(q.typenum, nd, dims));
-    if (!out) throw py::error_already_set();
+    py::object out = new_array(q.typenum, nd, dims);
     py::object lse = py::none();
     if (want_lse) {
-      lse = py::reinterpret_steal<py::object>(new_array(q.typenum, nd - 1, dims));
-      if (!lse) throw py::error_already_set();
+      lse = new_array(q.typenum, nd - 1, dims);
     }
     // Reused from call to call (per calling thread): a decode loop allocates nothing here.
     thread_local std::vector<index_t> qoff, koff, voff, ooff, lseoff;
@@ -230,8 +260,8 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
       lseoff.resize(std::size_t(bh));
       for (index_t i = 0; i < bh; ++i) lseoff[std::size_t(i)] = i * Lq;
     }
-    void* out_data = py::detail::array_proxy(out.ptr())->data;
-    void* lse_data = want_lse ? py::detail::array_proxy(lse.ptr())->data : nullptr;
+    void* out_data = data_of(out);
+    void* lse_data = want_lse ? data_of(lse) : nullptr;
     // clang-format off: one line per pointer and its strides, as in api.h
     pyattn::AttnArgs a{bh, Lq, Lk, E, Ev, group,
                        q.data, qoff.data(), elems(q, nd - 2), k.data, koff.data(), elems(k, nd - 2),
@@ -248,20 +278,8 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
                        nullptr, nullptr, 0, 0,
                        pyattn::get_num_threads()};
     // clang-format on
-    {
-      py::gil_scoped_release nogil;
-      pyattn::active_isa().attention[q.typenum == kFloat32 ? 0 : 1](a);
-    }
-    if (!want_lse) return out.release().ptr();
-    return PyTuple_Pack(2, out.ptr(), lse.ptr());
-  } catch (py::error_already_set& e) {
-    e.restore();
-  } catch (const std::bad_alloc&) {
-    PyErr_NoMemory();
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-  }
-  return nullptr;
+    return attend(a, q.typenum, out, lse, want_lse);
+  });
 }
 
 // The memory [lo, hi) that a view spans (for overlap checks).
@@ -364,7 +382,7 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
     Py_RETURN_NONE;
   }
 
-  try {
+  return guarded([&]() -> PyObject* {
     // Every check is done: only now is anything written.
     if (append) {
       auto put = [&](const View& src, const View& dst, index_t n) {
@@ -382,15 +400,13 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
       put(vn, vc, Ev);
     }
     const Py_ssize_t dims[4] = {Py_ssize_t(B), Py_ssize_t(Hq), Py_ssize_t(Lq), Py_ssize_t(Ev)};
-    py::object out = py::reinterpret_steal<py::object>(new_array(q.typenum, 4, dims));
-    if (!out) throw py::error_already_set();
-    char* out_data = py::detail::array_proxy(out.ptr())->data;
+    py::object out = new_array(q.typenum, 4, dims);
+    char* out_data = static_cast<char*>(data_of(out));
     std::memset(out_data, 0, std::size_t(B * Hq * Lq * Ev) * std::size_t(q.itemsize));
     py::object lse = py::none();
     if (want_lse) {
-      lse = py::reinterpret_steal<py::object>(new_array(q.typenum, 3, dims));
-      if (!lse) throw py::error_already_set();
-      char* l = py::detail::array_proxy(lse.ptr())->data;
+      lse = new_array(q.typenum, 3, dims);
+      char* l = static_cast<char*>(data_of(lse));
       for (index_t i = 0; i < B * Hq * Lq; ++i) {
         if (q.typenum == kFloat32)
           reinterpret_cast<float*>(l)[i] = -std::numeric_limits<float>::infinity();
@@ -417,32 +433,20 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
                        vc.data, voff.data(), elems(vc, 2),
                        out_data, ooff.data(), Ev,
                        pyattn::MaskKind::none, nullptr, nullptr, 0, 0,
-                       want_lse ? py::detail::array_proxy(lse.ptr())->data : nullptr,
+                       want_lse ? data_of(lse) : nullptr,
                        want_lse ? lseoff.data() : nullptr, 1,
                        nullptr, nullptr, 0,
                        scale, causal == 1, true,
                        0.0, nullptr, nullptr, pyattn::kNoLimit, pyattn::kNoLimit, kv_lens.data(),
                        nullptr,
                        table, paged ? bt_off.data() : nullptr, paged ? bsize : 0,
-                       paged ? elems(kc, 0) : elems(kc, 0), paged ? elems(vc, 0) : elems(vc, 0),
+                       elems(kc, 0), elems(vc, 0),  // k_ps, v_ps: between blocks (paged; unused otherwise)
                        nullptr, nullptr, 0, 0,
                        nullptr, nullptr, 0, 0,
                        pyattn::get_num_threads()};
     // clang-format on
-    if (Lk > 0) {
-      py::gil_scoped_release nogil;
-      pyattn::active_isa().attention[q.typenum == kFloat32 ? 0 : 1](a);
-    }
-    if (!want_lse) return out.release().ptr();
-    return PyTuple_Pack(2, out.ptr(), lse.ptr());
-  } catch (py::error_already_set& e) {
-    e.restore();
-  } catch (const std::bad_alloc&) {
-    PyErr_NoMemory();
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-  }
-  return nullptr;
+    return attend(a, q.typenum, out, lse, want_lse, Lk > 0);
+  });
 }
 
 PyMethodDef kvcache_def = {
