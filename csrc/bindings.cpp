@@ -142,17 +142,24 @@ bool view_of(PyObject* o, int min_nd, View& v) {
 index_t elems(const View& v, int axis) { return index_t(v.strides[axis] / v.itemsize); }
 
 // Element offsets of every matrix of `a` over its first `nlead` axes, in C order, each repeated
-// `repeat` times along the last of them (grouped-query heads): _validate.lead_offsets.
+// `repeat` times along the last of them (grouped-query heads): _validate.lead_offsets. Walks the
+// index like an odometer into `off` (reused between calls: nothing allocated once it is large
+// enough).
 void lead_offsets(const View& a, int nlead, index_t repeat, std::vector<index_t>& off) {
-  off.assign(1, 0);
-  for (int ax = 0; ax < nlead; ++ax) {
-    const index_t n = a.shape[ax], s = elems(a, ax), r = ax == nlead - 1 ? repeat : 1;
-    std::vector<index_t> next;
-    next.reserve(off.size() * std::size_t(n * r));
-    for (const index_t o : off)
-      for (index_t i = 0; i < n; ++i)
-        for (index_t j = 0; j < r; ++j) next.push_back(o + i * s);
-    off.swap(next);
+  std::size_t n = 1;
+  for (int ax = 0; ax < nlead; ++ax) n *= std::size_t(a.shape[ax]);
+  const index_t rep = nlead ? repeat : 1;
+  off.resize(n * std::size_t(rep));
+  index_t idx[kMaxDims] = {}, o = 0;
+  std::size_t w = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    for (index_t r = 0; r < rep; ++r) off[w++] = o;
+    for (int ax = nlead - 1; ax >= 0; --ax) {
+      o += elems(a, ax);
+      if (++idx[ax] < a.shape[ax]) break;
+      o -= elems(a, ax) * index_t(a.shape[ax]);
+      idx[ax] = 0;
+    }
   }
 }
 
