@@ -622,6 +622,22 @@ def test_decode_masked_chunks(isa, dtype, pattern, threads, rng):
 
 
 @dtype_param
+@pytest.mark.parametrize("hq, hkv", [(1, 1), (4, 1)])
+def test_decode_block_max_every_position(isa, dtype, hq, hkv, rng):
+    """Decode blocks take each row's maximum in vector lanes: one dominant key at every position
+    of the first blocks (each lane, the tails), with scores large enough that a maximum missed
+    anywhere would overflow exp2 and give inf or NaN."""
+    e, lk = 64, 150
+    q = randn(rng, (1, hq, 1, e), dtype)
+    for j in list(range(0, 70)) + [127, 128, 149]:
+        k = randn(rng, (1, hkv, lk, e), dtype) * 0.1
+        k[:, :, j] = np.repeat(q[:, :1, 0], hkv, axis=0) * (200.0 if dtype == np.float32 else 2000.0) / np.sqrt(e)
+        v = randn(rng, (1, hkv, lk, e), dtype)
+        (out, _), _ = check((q, k, v), dict(enable_gqa=True, return_weights=False), dtype=dtype)
+        assert np.isfinite(out).all(), j
+
+
+@dtype_param
 def test_many_small_heads(isa, dtype, rng):
     q = randn(rng, (32, 16, 5, 8), dtype)
     k = randn(rng, (32, 16, 7, 8), dtype)

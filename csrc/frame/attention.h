@@ -686,16 +686,12 @@ struct Attention {
       // memory, the key-by-key loop is faster (L keys at a time measured 1.10-1.15x slower on one
       // thread, H32 Lk4096 D128), as it is for grouped rows (up to 1.6x, Hkv8 Lk32768 D128); the
       // cause was not found.
+      // No software prefetch there: from L2/L3 the hardware's keeps up (measured the same or
+      // faster without).
       if (r.R == 1 && cached) {
         const KV* krows[DB];
-        for (index_t j = 0; j < kb; ++j) krows[j] = krow(*cur, j);
-        K::dot_keys(r.q, E, index_t(1), krows, kb, E, r.s, DB, [&](index_t j) {
-          prefetch_rows_l2(vrow(*cur, j), a.v_rs, 1, Ev);
-          if (j < nb) {
-            prefetch_rows_l2(krow(*nxt, j), a.k_rs, 1, E);
-            prefetch_rows_l2(vrow(*nxt, j), a.v_rs, 1, Ev);
-          }
-        });
+        rows_at(kb0, a.k_rs, a.k_ps, *cur, k0, kb, krows);
+        K::dot_keys(r.q, E, index_t(1), krows, kb, E, r.s, DB, [](index_t) {});
         if constexpr (kInt8)
           for (index_t j = 0; j < kb; ++j) ks[j] = kscale(*cur, j);
       } else {
@@ -717,8 +713,7 @@ struct Attention {
           for (index_t j = 0; j < kb; ++j) s[j] *= ks[j];
         mod_keys(p, qi, k0, kb, s);
         mask_row(p, qi, k0, kb, s, 1);
-        T mx = r.m[x];
-        for (index_t j = 0; j < kb; ++j) mx = s[j] > mx ? s[j] : mx;
+        const T mx = K::max_row(s, kb, r.m[x]);
         const T sub = mx == -kInf ? T(0) : mx;
         const T alpha = r.m[x] == -kInf ? T(0) : T(std::exp2(r.m[x] - sub));
         r.m[x] = mx;
@@ -737,7 +732,7 @@ struct Attention {
       // acc_x += sum_j p[x, j] v_j, the accumulator chunk held in registers over the block's
       // rows wherever they lie
       const KV* vrows[DB];
-      for (index_t j = 0; j < kb; ++j) vrows[j] = vrow(*cur, j);
+      rows_at(vb0, a.v_rs, a.v_ps, *cur, k0, kb, vrows);
       K::pv_rows(r.s, DB, r.R, kb, vrows, Ev, r.acc);
     }
   }
@@ -765,6 +760,17 @@ struct Attention {
         page = a.block_table[p.bt0 + ++blk];
       }
     }
+  }
+
+  //   rows[j] = where key k0 + j lies for j < n (row stride rs, page stride ps, from b0): stepped
+  //   through a contiguous cache, not multiplied out from its slots (64-bit vector multiplies)
+  void rows_at(const KV* b0, index_t rs, index_t ps, const Slots& s, index_t k0, index_t n, const KV** rows) const {
+    if (!a.block_table) {
+      const KV* row = b0 + k0 * rs;
+      for (index_t j = 0; j < n; ++j, row += rs) rows[j] = row;
+      return;
+    }
+    for (index_t j = 0; j < n; ++j) rows[j] = b0 + s.page[j] * ps + s.slot[j] * rs;
   }
 
   void finish_row(index_t g, index_t x, const T* acc, T m, T l) const {

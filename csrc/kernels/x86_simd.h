@@ -297,6 +297,20 @@ struct VecKernels {
     }
   }
 
+  //   max(m, x[0], ..., x[n-1]) (a NaN is skipped on x86; on NEON it may hide its lane's other
+  //   values, harmless as the row's output is NaN either way)
+  // In L lanes, not one scalar chain: a decode block's max was a compare's latency per key.
+  static T max_row(const T* x, index_t n, T m) {
+    V acc = Ops::set1(m);
+    index_t i = 0;
+    for (; i + L <= n; i += L) acc = Ops::max(Ops::load(x + i), acc);
+    alignas(64) T lanes[L];
+    Ops::store(lanes, acc);
+    for (int l = 0; l < L; ++l) m = lanes[l] > m ? lanes[l] : m;
+    for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+    return m;
+  }
+
   //   x[i] = exp2(x[i] - sub); return sum(x)
   // Summed in blocks of kSumBlock vectors whose totals are added in double: one float
   // accumulator per lane over a million-element row drifted by ~2e-4; this keeps the error

@@ -88,6 +88,11 @@ struct GenericKernels {
       sum[i] += x[i];
     }
   }
+  //   max(m, x[0], ..., x[n-1]) (a NaN is skipped)
+  static T max_row(const T* x, index_t n, T m) {
+    for (index_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
+    return m;
+  }
   //   x[i] = exp2(x[i] - sub); return sum(x)
   // Summed in double (see the x86 kernels: a float running sum drifts on long rows).
   static T exp2_sub_sum(T* x, index_t n, T sub) {
