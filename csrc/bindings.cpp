@@ -570,7 +570,6 @@ PYBIND11_MODULE(_core, m) {
         PYATTN_DEBUG_CHECK(group >= 1 && bh % group == 0, "attention: bh must be a multiple of group");
         PYATTN_DEBUG_CHECK(mask_kind >= 0 && mask_kind <= 2 && (mask_kind == 0) == mask.is_none(),
                            "attention: mask_kind does not match mask");
-        PYATTN_DEBUG_CHECK(causal >= 0 && causal <= 2, "attention: causal must be 0, 1 or 2");
         if (mask_kind == 2) check_same_dtype(out, {{"mask", &mask}});
         if (mask_kind == 1) PYATTN_DEBUG_CHECK(py::cast<py::array>(mask).itemsize() == 1, "mask: bool masks are uint8");
         check_matrices("q", q, qoff, bh, Lq, q_rs, E, 1);
@@ -630,6 +629,47 @@ PYBIND11_MODULE(_core, m) {
       py::arg("block_table").none(true), py::arg("bt_off").none(true), py::arg("block_size"), py::arg("k_ps"),
       py::arg("v_ps"), py::arg("k_scale").none(true), py::arg("ksoff").none(true), py::arg("ks_rs"), py::arg("ks_ps"),
       py::arg("v_scale").none(true), py::arg("vsoff").none(true), py::arg("vs_rs"), py::arg("vs_ps"));
+
+  m.def(
+      "merge",
+      [](const py::list& outs, const std::vector<index_t>& o_rs, const py::list& lses, const std::vector<index_t>& l_s,
+         py::array& out, index_t out_rs, py::array& out_lse, index_t rows, index_t Ev) {
+        const std::size_t n = outs.size();
+        std::vector<py::array> o(n), l(n);  // held here: the pointers below stay valid
+        std::vector<const void*> op(n);
+        std::vector<const double*> lp(n);
+        for (std::size_t i = 0; i < n; ++i) {
+          o[i] = py::cast<py::array>(outs[i]);
+          l[i] = py::cast<py::array>(lses[i]);
+          op[i] = cptr(o[i]);
+          lp[i] = static_cast<const double*>(cptr(l[i]));
+        }
+#ifdef PYATTN_DEBUG_CHECKS
+        PYATTN_DEBUG_CHECK(lses.size() == n && o_rs.size() == n && l_s.size() == n, "merge: one stride per state");
+        PYATTN_DEBUG_CHECK(out_lse.itemsize() == 8, "merge: the lse is float64");
+        check_matrices("out", out, py::none(), 1, rows, out_rs, Ev, 1);
+        check_matrices("out_lse", out_lse, py::none(), 1, 1, 0, rows, 1);
+        for (std::size_t i = 0; i < n; ++i) {
+          check_same_dtype(out, {{"outs[i]", &o[i]}});
+          PYATTN_DEBUG_CHECK(l[i].itemsize() == 8, "merge: lses are float64");
+          check_matrices("outs[i]", o[i], py::none(), 1, rows, o_rs[i], Ev, 1);
+          check_matrices("lses[i]", l[i], py::none(), 1, 1, 0, rows, l_s[i]);
+        }
+#endif
+        // clang-format off: one line per pointer and its strides, as in api.h
+        pyattn::MergeArgs g{index_t(n), rows, Ev,
+                            op.data(), o_rs.data(),
+                            lp.data(), l_s.data(),
+                            mptr(out), out_rs,
+                            static_cast<double*>(mptr(out_lse)),
+                            pyattn::get_num_threads()};
+        // clang-format on
+        py::gil_scoped_release nogil;
+        pyattn::active_isa().merge[dt(out)](g);
+      },
+      "Merge n attention states (rows x Ev outputs, float64 lses) into out and out_lse.", py::arg("outs"),
+      py::arg("o_rs"), py::arg("lses"), py::arg("l_s"), py::arg("out"), py::arg("out_rs"), py::arg("out_lse"),
+      py::arg("rows"), py::arg("Ev"));
 
   m.add_object("kvcache_small",
                py::reinterpret_steal<py::object>(PyCFunction_NewEx(&small::kvcache_def, nullptr, nullptr)));

@@ -2,7 +2,7 @@
 # pyattn/_api.py validates and normalises every argument and calls these with keywords; the
 # kernels trust what they get (debug and sanitizer builds, where ``debug_checks`` is True, check
 # each extent and stride against its array and raise IndexError). Use the pyattn package.
-from typing import Optional
+from typing import List, Optional
 
 import numpy as np
 
@@ -30,6 +30,21 @@ def gemm(
 ) -> None:
     """c[i] = a[i] @ b[i], i < batch; matrix i of a starts at offa[i] (0 when None), m x k at
     strides (rsa, csa); likewise b (k x n) and c (m x n). c has a's and b's dtype."""
+
+def merge(
+    outs: List[np.ndarray],
+    o_rs: List[int],
+    lses: List[np.ndarray],
+    l_s: List[int],
+    out: np.ndarray,
+    out_rs: int,
+    out_lse: np.ndarray,
+    rows: int,
+    Ev: int,
+) -> None:
+    """Merge n attention states: state i's row r at outs[i] + r * o_rs[i] (unit element stride,
+    out's dtype), its float64 lse at lses[i][r * l_s[i]]; out row r at r * out_rs, out_lse[r]
+    (float64). Empty states (lse -inf) contribute nothing."""
 
 def softmax(
     x: np.ndarray,

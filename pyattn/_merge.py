@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _core
 from ._validate import check_out
 
 __all__ = ["merge_attention_states"]
@@ -29,6 +30,17 @@ def _states(x, name: str, trailing: str):
     return states, seen
 
 
+def _rows(a: np.ndarray, rows: int, n: int):
+    """a (..., n) as a (rows, n) array with unit element stride (a view where the strides allow,
+    a broadcast row keeping stride 0; else a copy), and its row stride in elements."""
+    if n > 1 and a.strides[-1] != a.itemsize:
+        a = np.ascontiguousarray(a)
+    r = a.reshape(rows, n)
+    if r.strides[0] % r.itemsize:
+        r = np.ascontiguousarray(r)
+    return r, r.strides[0] // r.itemsize
+
+
 def merge_attention_states(outputs, lses, *, out=None):
     """Merge attentions computed over disjoint key sets into the attention over their union.
 
@@ -52,6 +64,16 @@ def merge_attention_states(outputs, lses, *, out=None):
     inputs (float32 stays float32, float16 computes as float32). ``out`` receives the output:
     exactly its shape and dtype, any strides. The lse is always newly allocated.
     """
+    outs, ls, lead, lq, ev, dtype = _checked(outputs, lses)
+    if out is not None:
+        check_out(out, lead + (lq, ev), dtype)
+    res, lse = _merge(outs, ls, lead, lq, ev, dtype, out)
+    return res, lse.astype(dtype, copy=False)
+
+
+def _checked(outputs, lses):
+    """The states as lists of arrays, their broadcast leading axes, Lq, Ev and the result dtype;
+    every error of merge_attention_states."""
     outs, seen_o = _states(outputs, "outputs", "..., Lq, Ev")
     ls, seen_l = _states(lses, "lses", "..., Lq")
     n = len(outs)
@@ -79,31 +101,30 @@ def merge_attention_states(outputs, lses, *, out=None):
     except ValueError:
         raise ValueError(f"the leading axes of {seen_o} and {seen_l} are not broadcastable") from None
     dtype = _F64 if np.result_type(*outs, *ls) == _F64 else _F32
+    return outs, ls, lead, lq, ev, dtype
+
+
+def _merge(outs, ls, lead: tuple, lq: int, ev: int, dtype, out=None):
+    """The merge in the core, in one pass with no float64 temporaries the size of the outputs:
+    the output in dtype (into out when given), the lse in float64."""
     shape = lead + (lq, ev)
-    if out is not None:
-        check_out(out, shape, dtype)
+    rows = lq * int(np.prod(lead, dtype=np.int64))
+    o_rows = [_rows(np.broadcast_to(o.astype(dtype, copy=False), shape), rows, ev) for o in outs]
+    l_rows = [_rows(np.broadcast_to(np.asarray(x, _F64), lead + (lq,))[..., None], rows, 1) for x in ls]
+    res = out if out is not None else np.empty(shape, dtype)
+    target, t_rs = _rows(res, rows, ev)
+    lse = np.empty(lead + (lq,), _F64)
+    _core.merge(
+        [r for r, _ in o_rows], [s for _, s in o_rows], [r for r, _ in l_rows], [s for _, s in l_rows],
+        target, t_rs, lse.reshape(rows), rows, ev,
+    )  # fmt: skip
+    if not np.may_share_memory(target, res):  # an out= whose layout needed a copy
+        res[...] = target.reshape(shape)
+    return res, lse
 
-    lse_n = np.empty((n,) + lead + (lq,), _F64)
-    for i, x in enumerate(ls):
-        lse_n[i] = x
-    with np.errstate(invalid="ignore"):  # NaN propagates quietly, as in the kernels
-        lse = np.logaddexp.reduce(lse_n, axis=0)  # -inf when every state is -inf
-    lse_safe = np.where(np.isneginf(lse), 0.0, lse)  # all empty: exp(-inf - 0) = 0, no NaN
-    acc = np.zeros(shape, _F64)
-    term = np.empty(shape, _F64) if n > 1 else acc
-    for i, o in enumerate(outs):
-        w = np.exp(lse_n[i] - lse_safe)[..., None]  # 0 for an empty state
-        empty = np.isneginf(lse_n[i])[..., None]
-        if empty.any():  # an empty state contributes nothing, even NaN or inf in its output
-            term[...] = 0.0
-            np.multiply(o, w, out=term, where=~empty)
-        else:
-            np.multiply(o, w, out=term)
-        if term is not acc:
-            acc += term
 
-    if out is None:
-        out = acc if dtype == _F64 else acc.astype(dtype)
-    else:
-        out[...] = acc
-    return out, lse.astype(dtype, copy=False)
+def merge_states_f64(outputs, lses, dtype):
+    """merge_attention_states with the output in ``dtype`` and the lse kept in float64 (pyattn.dask's
+    merge tree: float32 outputs with float64 lses would otherwise promote to float64)."""
+    outs, ls, lead, lq, ev, _ = _checked(outputs, lses)
+    return _merge(outs, ls, lead, lq, ev, np.dtype(dtype))

@@ -32,7 +32,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from ._api import scaled_dot_product_attention as _sdpa
-from ._merge import merge_attention_states
+from ._merge import merge_states_f64
 from ._validate import NO_LIMIT, window_sides
 
 __all__ = ["scaled_dot_product_attention"]
@@ -116,8 +116,7 @@ def _merge(states, dtype):
     the outputs (to the computation's dtype)."""
     if len(states) == 1:
         return states[0]
-    o, l = merge_attention_states([s[0] for s in states], [s[1] for s in states])
-    return o.astype(dtype, copy=False), l
+    return merge_states_f64([s[0] for s in states], [s[1] for s in states], dtype)
 
 
 def _attend(q, k, v, m, d, slopes, kv_lens, p: "_Piece"):
@@ -241,8 +240,7 @@ def _with_sinks(state, sinks, dtype):
     out, lse = state
     zero = np.broadcast_to(np.zeros((), dtype), out.shape)
     sink = np.broadcast_to(np.asarray(sinks, _F64)[..., None], lse.shape)
-    o, l = merge_attention_states([out, zero], [lse, sink])
-    return o.astype(dtype, copy=False), l
+    return merge_states_f64([out, zero], [lse, sink], dtype)
 
 
 def _entry(x, b: tuple):

@@ -430,7 +430,7 @@ def shard_problem(rng, n_shards, B=2, Hq=4, Hkv=2, Lq=5, Lk=61):
 @dtype_param
 @pytest.mark.parametrize("form", ["array", "list"])
 @pytest.mark.parametrize("n_shards", [2, 3, 4, 5])
-def test_merge_shards_equal_unsplit(n_shards, form, dtype, rng):
+def test_merge_shards_equal_unsplit(n_shards, form, dtype, isa, rng):
     """Splitting Lk into uneven shards (some empty), one call per shard (sinks in one only),
     merging: the unsplit call with every variant (shards from the reference)."""
     for _ in range(3):
@@ -485,7 +485,7 @@ def random_states(rng, n, lead, lq, ev, dtype=np.float64, p_empty=0.3):
     return outs, lses
 
 
-def test_merge_empty_states_contribute_nothing(rng):
+def test_merge_empty_states_contribute_nothing(isa, rng):
     """States with lse = -inf are ignored, whatever their output holds (no NaN)."""
     outs, lses = random_states(rng, 4, (2, 3), 5, 6, p_empty=0.0)
     lses[1] = -np.inf
@@ -507,7 +507,7 @@ def test_merge_empty_states_contribute_nothing(rng):
 
 
 @dtype_param
-def test_merge_all_empty(dtype):
+def test_merge_all_empty(dtype, isa):
     outs = np.full((3, 2, 4, 5), np.nan, dtype)
     lses = np.full((3, 2, 4), -np.inf, dtype)
     with np.errstate(all="raise"):
@@ -543,7 +543,7 @@ def test_merge_order_and_grouping(rng):
     assert_close(lt, l, tol=1e-13)
 
 
-def test_merge_broadcasts_leading_axes(rng):
+def test_merge_broadcasts_leading_axes(isa, rng):
     """States with broadcastable leading axes (a shared state, a per-batch lse)."""
     a_o, a_l = randn(rng, (3, 4, 2)), rng.normal(size=(3, 4))  # (H, Lq, Ev), (H, Lq)
     b_o, b_l = randn(rng, (2, 3, 4, 2)), rng.normal(size=(2, 1, 4))  # (B, H, ...), (B, 1, Lq)
@@ -558,7 +558,7 @@ def test_merge_broadcasts_leading_axes(rng):
 
 @dtype_param
 @pytest.mark.parametrize("layout", ["contiguous", "fortran", "strided"])
-def test_merge_out(layout, dtype, rng):
+def test_merge_out(layout, dtype, isa, rng):
     outs, lses = random_states(rng, 3, (2, 3), 4, 5, dtype)
     want_o, want_l = merge(outs, lses)
     if layout == "strided":
@@ -584,7 +584,7 @@ def test_merge_dtypes(rng):
     assert o.shape == (3, 4) and l.shape == (3,)
 
 
-def test_merge_nan_propagates(rng):
+def test_merge_nan_propagates(isa, rng):
     outs, lses = random_states(rng, 3, (2,), 4, 3, p_empty=0.0)
     outs[0, 1, 2, 0] = np.nan  # one output element of a non-empty state
     lses[2, 0, 3] = np.nan  # one lse
@@ -594,6 +594,44 @@ def test_merge_nan_propagates(rng):
     fin = np.ones(o.shape[:-1], bool)
     fin[0, 3] = False
     assert np.isfinite(l[fin]).all()
+
+
+def test_merge_inf_lse_and_empty_ev(isa, rng):
+    """A +inf lse (an overflowed state) gives lse +inf and a NaN row, as the formula does; Ev = 0
+    still merges the lses."""
+    outs, lses = random_states(rng, 3, (2,), 4, 3, p_empty=0.0)
+    lses[1, 0, 2] = np.inf
+    o, l = merge(outs, lses)
+    assert l[0, 2] == np.inf and np.isnan(o[0, 2]).all()
+    keep = np.ones(o.shape[:-1], bool)
+    keep[0, 2] = False
+    with np.errstate(invalid="ignore"):
+        want_o, want_l = reference.merge_attention_states(outs, lses)
+    assert_close(o[keep], want_o[keep], tol=1e-13)
+    o0, l0 = merge(outs[..., :0], lses)
+    assert o0.shape == (2, 4, 0)
+    assert_close(l0[keep], want_l[keep], tol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_merge_threads_and_f64_lse(dtype, isa, rng):
+    """Enough rows for the core to use both threads: 1 and 2 threads give identical results; the
+    internal form used by pyattn.dask keeps the output dtype and a float64 lse."""
+    from pyattn._merge import merge_states_f64
+
+    outs, lses = random_states(rng, 3, (2, 8), 300, 64, dtype)
+    with pyattn.num_threads(1):
+        o1, l1 = merge(outs, lses)
+    with pyattn.num_threads(2):
+        o2, l2 = merge(outs, lses)
+    np.testing.assert_array_equal(o1, o2)
+    np.testing.assert_array_equal(l1, l2)
+    want_o, want_l = reference.merge_attention_states(outs, lses)
+    assert_close(o1, want_o, dtype, tol=VTOL[np.dtype(dtype)])
+    o3, l3 = merge_states_f64(list(outs), list(lses.astype(np.float64)), dtype)
+    assert o3.dtype == dtype and l3.dtype == np.float64
+    assert_close(o3, want_o, dtype, tol=VTOL[np.dtype(dtype)])
+    assert_close(l3, want_l, np.float64, tol=1e-13)
 
 
 MERGE_ERRORS = {

@@ -77,6 +77,20 @@ struct AttnArgs {
   int nthreads;
 };
 
+// Merge of n attention states over `rows` rows of Ev values (merge_attention_states):
+//   M = max_i lse_i;  w_i = exp(lse_i - M), none for an empty state (lse_i = -inf);  s = sum w_i
+//   out = sum_i (w_i / s) o_i;  out_lse = M + log(s)      (every state empty: zeros and -inf)
+// State i's row r starts at outs[i] + r * o_rs[i] (unit element stride; o_rs 0 for a broadcast
+// row), its lse is lses[i][r * l_s[i]] (float64); out row r at out + r * out_rs, out_lse[r].
+struct MergeArgs {
+  index_t n, rows, Ev;
+  const void* const* outs; const index_t* o_rs;
+  const double* const* lses; const index_t* l_s;
+  void* out; index_t out_rs;
+  double* out_lse;
+  int nthreads;
+};
+
 // clang-format on
 
 constexpr index_t kNoLimit = index_t(1) << 50;  // a window side with no bound
@@ -95,6 +109,7 @@ struct IsaTable {
   void (*softmax[2])(const SoftmaxArgs&);
   void (*attention[2])(const AttnArgs&);
   void (*attention_lowp[3])(const AttnArgs&);  // float32 compute with f16 [0], bf16 [1], int8 [2] K/V
+  void (*merge[2])(const MergeArgs&);
 };
 
 // One table per compiled instruction set (defined in csrc/kernels/<isa>/).

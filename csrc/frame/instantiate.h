@@ -6,6 +6,7 @@
 #include "frame/gemm.h"
 #include "frame/softmax.h"
 #include "frame/attention.h"
+#include "frame/merge.h"
 
 template <class KF, class KD>
 constexpr IsaTable make_table(const char* name) {
@@ -13,5 +14,6 @@ constexpr IsaTable make_table(const char* name) {
                   {&Gemm<KF>::run, &Gemm<KD>::run},
                   {&Softmax<KF>::run, &Softmax<KD>::run},
                   {&Attention<KF>::run, &Attention<KD>::run},
-                  {&Attention<KF, f16_t>::run, &Attention<KF, bf16_t>::run, &Attention<KF, std::int8_t>::run}};
+                  {&Attention<KF, f16_t>::run, &Attention<KF, bf16_t>::run, &Attention<KF, std::int8_t>::run},
+                  {&Merge<typename KF::T>::run, &Merge<typename KD::T>::run}};
 }
