@@ -600,11 +600,33 @@ struct Attention {
       ps.cv.vc = ps.cv.kc + BK * a.E;
       return ps;
     };
+    if (a.q_lens) return prefill_ragged<CAP, ALIBI>(nt, setup);
     team(nt, setup, [&](Panels& ps, const Team& tm) {
       // Causal groups near the end of the sequence do the most work: hand them out first.
       tm.for_each(ntasks, true, [&](index_t i) {
         const index_t g = ngroups - 1 - i / a.bh;
         query_group<CAP, ALIBI>(problem(i % a.bh), g * NP * NR, NP, ps.t, ps.cv);
+      });
+    });
+  }
+
+  // Problems of different lengths (varlen): only the groups that hold queries, the longest
+  // problems first and each problem's groups one after another, last first, so that the two
+  // threads share its keys in cache as one call per sequence would.
+  template <bool CAP, bool ALIBI, class Setup>
+  void prefill_ragged(int nt, Setup& setup) const {
+    constexpr int NP = K::NP;
+    const index_t rows = index_t(NP) * NR;
+    std::vector<index_t> order(std::size_t(a.bh), 0);
+    for (index_t i = 0; i < a.bh; ++i) order[std::size_t(i)] = i;
+    std::stable_sort(order.begin(), order.end(), [&](index_t x, index_t y) { return a.q_lens[x] > a.q_lens[y]; });
+    std::vector<index_t> first(order.size() + 1, 0);  // task index of each problem's first group
+    for (std::size_t i = 0; i < order.size(); ++i) first[i + 1] = first[i] + ceil_div(a.q_lens[order[i]], rows);
+    team(nt, setup, [&](auto& ps, const Team& tm) {
+      tm.for_each(first.back(), true, [&](index_t t) {
+        const std::size_t i = std::size_t(std::upper_bound(first.begin(), first.end(), t) - first.begin()) - 1;
+        const index_t g = first[i + 1] - 1 - t;
+        query_group<CAP, ALIBI>(problem(order[i]), g * rows, NP, ps.t, ps.cv);
       });
     });
   }

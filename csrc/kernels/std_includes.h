@@ -3,6 +3,7 @@
 #pragma once
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -10,6 +11,7 @@
 #include <exception>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "frame/api.h"
 #include "frame/portable.h"
