@@ -1,6 +1,7 @@
 // Flash-style fused attention, written once and instantiated per ISA and per storage of K/V.
 //
-// Prefill (any Lq): one task = one (batch*head, NP query panels of NR queries). A panel works in
+// Prefill (any Lq): one task = one (batch*head, np query panels of NR queries: the kernel set's NP,
+// or its NPW for heads of 128 and more, whose K/V rows are worth sharing wider). A panel works in
 // the transposed orientation S^T = K Q^T so that the micro-kernel broadcasts K rows straight from
 // memory and vectorises across queries: K and V are read in place, only the small Q^T tile is
 // packed (with scale*log2(e) folded in; half-precision K/V blocks are converted into an L1 tile
@@ -14,10 +15,10 @@
 // jumps well past m, and once every query of a panel has a reference, an unmasked block needs
 // no max pass at all: its exp2 (and the score variants, softcap and ALiBi) are fused into the
 // score kernel's store (a block that turns out to exceed the slack is recomputed the two-pass
-// way). The NP panels of a task share each K and V row read. Only the keys a task's queries may
+// way). The np panels of a task share each K and V row read. Only the keys a task's queries may
 // see are visited: causal and window edges, and the valid length kv_lens, bound the key range,
 // panels join and leave as it moves, and only the blocks that cross an edge are masked element
-// by element. Scratch per thread is NP * NR * (E + BK + Ev + 8) elements (plus BK * (E + Ev)
+// by element. Scratch per thread is np * NR * (E + BK + Ev + 8) elements (plus BK * (E + Ev)
 // for half K/V) whatever the sequence lengths.
 //
 // Decode (few queries, long Lk): one task = (group of heads sharing K/V, chunk of keys); all
@@ -30,6 +31,7 @@ template <class K, class KV = typename K::T>
 struct Attention {
   using T = typename K::T;
   static constexpr int MR = K::MR, NR = K::NR, BK = K::BK;
+  static constexpr int kMaxNP = K::NP > K::NPW ? K::NP : K::NPW;
   static constexpr T kInf = NumLimits<T>::inf;
   static constexpr bool kHalf = !std::is_same<KV, T>::value;           // K/V stored as float16 / bfloat16 / int8
   static constexpr bool kInt8 = std::is_same<KV, std::int8_t>::value;  // ...int8, with a scale per row
@@ -264,7 +266,7 @@ struct Attention {
   template <bool CAP, bool ALIBI>
   PYATTN_PHASE void scores(const Problem& p, index_t q0, index_t k0, index_t kb, const Block& blk, Tile* t, int np,
                            bool* fused, bool prime) const {
-    index_t first[K::NP] = {};  // rows of S^T already computed, per panel
+    index_t first[kMaxNP] = {};  // rows of S^T already computed, per panel
     for (int i = 0; i < np; ++i) {
       if (fused && fused[i])
         for (int c = 0; c < NR; ++c) {
@@ -512,7 +514,7 @@ struct Attention {
       const Block kblk = key_block(p, k0, kb, cv);
       if constexpr (ALIBI)
         for (int i = 0; i < na; ++i) anticipate_bias(p, qa + i * NR, k0, kb, ta[i]);
-      bool fused[K::NP];
+      bool fused[kMaxNP];
       for (int i = 0; i < na; ++i) fused[i] = plain && ta[i].ready;
       scores<CAP, ALIBI>(p, qa, k0, kb, kblk, ta, na, fused, plain);
       for (int i = 0; i < na; ++i) {
@@ -580,23 +582,26 @@ struct Attention {
     }
   }
 
+  // Query panels per prefill task: wide heads (E >= 128) share each K/V row among NPW.
+  int panels() const { return a.E >= 128 ? K::NPW : K::NP; }
+
   template <bool CAP, bool ALIBI>
   void prefill() const {
-    constexpr int NP = K::NP;
-    const index_t ngroups = ceil_div(a.Lq, index_t(NP) * NR);
+    const int np = panels();
+    const index_t ngroups = ceil_div(a.Lq, index_t(np) * NR);
     const index_t ntasks = a.bh * ngroups;
     const std::size_t panel = tile_elems(a.E, a.Ev), conv = gathers() ? std::size_t(BK) * std::size_t(a.E + a.Ev) : 0;
     const double work = double(a.bh) * double(a.Lq) * double(a.Lk) * double(a.E + a.Ev);
     const int nt = int(min_of<index_t>(threads_for(work, a.nthreads), ntasks));
     struct Panels {
-      Tile t[NP];
+      Tile t[kMaxNP];
       Convert cv;
     };
     auto setup = [&] {
       Panels ps;
-      T* base = static_cast<T*>(scratch(0, (NP * panel + conv) * sizeof(T)));
-      for (int i = 0; i < NP; ++i) ps.t[i] = carve(base + i * panel);
-      ps.cv.kc = base + NP * panel;
+      T* base = static_cast<T*>(scratch(0, (np * panel + conv) * sizeof(T)));
+      for (int i = 0; i < np; ++i) ps.t[i] = carve(base + i * panel);
+      ps.cv.kc = base + np * panel;
       ps.cv.vc = ps.cv.kc + BK * a.E;
       return ps;
     };
@@ -605,7 +610,7 @@ struct Attention {
       // Causal groups near the end of the sequence do the most work: hand them out first.
       tm.for_each(ntasks, true, [&](index_t i) {
         const index_t g = ngroups - 1 - i / a.bh;
-        query_group<CAP, ALIBI>(problem(i % a.bh), g * NP * NR, NP, ps.t, ps.cv);
+        query_group<CAP, ALIBI>(problem(i % a.bh), g * np * NR, np, ps.t, ps.cv);
       });
     });
   }
@@ -615,8 +620,8 @@ struct Attention {
   // threads share its keys in cache as one call per sequence would.
   template <bool CAP, bool ALIBI, class Setup>
   void prefill_ragged(int nt, Setup& setup) const {
-    constexpr int NP = K::NP;
-    const index_t rows = index_t(NP) * NR;
+    const int np = panels();
+    const index_t rows = index_t(np) * NR;
     std::vector<index_t> order(std::size_t(a.bh), 0);
     for (index_t i = 0; i < a.bh; ++i) order[std::size_t(i)] = i;
     std::stable_sort(order.begin(), order.end(), [&](index_t x, index_t y) { return a.q_lens[x] > a.q_lens[y]; });
@@ -626,7 +631,7 @@ struct Attention {
       tm.for_each(first.back(), true, [&](index_t t) {
         const std::size_t i = std::size_t(std::upper_bound(first.begin(), first.end(), t) - first.begin()) - 1;
         const index_t g = first[i + 1] - 1 - t;
-        query_group<CAP, ALIBI>(problem(order[i]), g * rows, NP, ps.t, ps.cv);
+        query_group<CAP, ALIBI>(problem(order[i]), g * rows, np, ps.t, ps.cv);
       });
     });
   }

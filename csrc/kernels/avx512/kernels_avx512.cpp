@@ -153,8 +153,11 @@ struct OpsF64 {
 // Flat within the noise on one core; on two, panels sharing each K/V row matter (NP1 is 5-10%
 // behind) while NP3 was +1-3% over NP2 in a second run (L512, L128, causal alike). NP2 BK128
 // is kept: half the scratch of NP3 and finer tasks for the causal schedule.
+// NPW, the panels for heads of 128 and more: a later A/B (2 threads, interleaved, time against
+// NP2) gave NP3 0.90 / NP4 0.89 at L4096 D128 (causal 0.95 / 0.94) but 1.03 / 1.05 at L2048 D64,
+// so wide heads take 4 panels and the rest keep 2.
 struct sgemm_ukernel_8x48_avx512 : RegTileKernels<OpsF32, 8, 3> {
-  static constexpr int NP = 2;
+  static constexpr int NP = 2, NPW = 4;
   static constexpr index_t MC = 240, KC = 256, NC = 480, BK = 128;
   //   dst[c*drs + r] = src[r*srs + c], in 8 x 8 register blocks
   static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
@@ -162,7 +165,7 @@ struct sgemm_ukernel_8x48_avx512 : RegTileKernels<OpsF32, 8, 3> {
   }
 };
 struct dgemm_ukernel_8x24_avx512 : RegTileKernels<OpsF64, 8, 3> {
-  static constexpr int NP = 2;
+  static constexpr int NP = 2, NPW = 2;
   static constexpr index_t MC = 120, KC = 256, NC = 240, BK = 128;
   static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
     transpose_ref<T>(src, srs, rows, cols, dst, drs);

@@ -108,7 +108,7 @@ struct GenericKernels {
 // Block sizes: register tile MR x NR, cache blocks MC x KC x NC, attention key block BK.
 struct sgemm_ukernel_4x16_generic : GenericKernels<float> {
   using T = float;
-  static constexpr int MR = 4, NR = 16, NP = 2;
+  static constexpr int MR = 4, NR = 16, NP = 2, NPW = 2;
   static constexpr index_t MC = 128, KC = 256, NC = 512, BK = 128;
   static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
     transpose_ref<T>(src, srs, rows, cols, dst, drs);
@@ -127,7 +127,7 @@ struct sgemm_ukernel_4x16_generic : GenericKernels<float> {
 };
 struct dgemm_ukernel_4x8_generic : GenericKernels<double> {
   using T = double;
-  static constexpr int MR = 4, NR = 8, NP = 2;
+  static constexpr int MR = 4, NR = 8, NP = 2, NPW = 2;
   static constexpr index_t MC = 128, KC = 256, NC = 256, BK = 128;
   static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
     transpose_ref<T>(src, srs, rows, cols, dst, drs);
