@@ -155,9 +155,11 @@ struct OpsF64 {
 // is kept: half the scratch of NP3 and finer tasks for the causal schedule.
 // NPW, the panels for heads of 128 and more: a later A/B (2 threads, interleaved, time against
 // NP2) gave NP3 0.90 / NP4 0.89 at L4096 D128 (causal 0.95 / 0.94) but 1.03 / 1.05 at L2048 D64,
-// so wide heads take 4 panels and the rest keep 2.
+// so only wide heads take more; against NPW 4, NPW 6 / 8 took 0.95 / 0.93 (L4096 D128, causal
+// alike), and NPW 8 0.95-1.01 on H32 L1024 causal, L512, B4 L128 and a GQA chunk (D128). 8
+// panels of 48 queries: 600 KiB of scratch per thread, within the 1 MiB L2.
 struct sgemm_ukernel_8x48_avx512 : RegTileKernels<OpsF32, 8, 3> {
-  static constexpr int NP = 2, NPW = 4;
+  static constexpr int NP = 2, NPW = 8;
   static constexpr index_t MC = 240, KC = 256, NC = 480, BK = 128;
   //   dst[c*drs + r] = src[r*srs + c], in 8 x 8 register blocks
   static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
