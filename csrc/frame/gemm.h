@@ -72,6 +72,8 @@ struct Gemm {
       }
   }
 
+  static constexpr index_t kDirectMaxN = 64;
+
   // One matrix, run by thread `tid` of a team of `nt` (nt == 1: no barriers).
   // ap, bp: shared packing buffers of at least round_up(m,MR)*KC and KC*round_up(n,NR) elements.
   static void body(const T* a, index_t rsa, index_t csa, const T* b, index_t rsb, index_t csb, T* c, index_t rsc,
@@ -83,6 +85,11 @@ struct Gemm {
     // panels, so packing stays balanced and needs no second barrier.
     index_t r0 = 0, r1 = npa, c0 = 0, c1 = npb;
     const bool split_cols = npb >= 4 * nt || npb >= npa;
+    // Narrow products (n <= kDirectMaxN): each A micro-panel would serve a few tiles only, and
+    // packing it (a transpose) cost more than it saved. The micro-kernel then reads the thread's
+    // A rows where they lie, as attention reads K rows (A/B, AVX2 and AVX-512, 1 and 2 threads:
+    // 0.16-0.89 of the packed path's time on n = 16..64, one shape at 1.10).
+    const bool direct_a = !split_cols && csa == 1 && csc == 1 && n <= kDirectMaxN;
     if (nt > 1) {
       if (split_cols)
         split_range(npb, tid, nt, c0, c1);
@@ -118,13 +125,17 @@ struct Gemm {
           const index_t ie = min_of<index_t>(r1, ib + mcp);
           // Packed on the first column block, this MC x KC block is still in L2 for its tiles
           // (all of A packed up front was read back from L3: 0.8x OpenBLAS at n = 64).
-          if (!split_cols && jb == c0) pack_a_panels(pc, kc, ib, ie);
+          if (!split_cols && jb == c0 && !direct_a) pack_a_panels(pc, kc, ib, ie);
           for (index_t ip = ib; ip < ie; ++ip) {
             const int mr = int(min_of<index_t>(MR, m - ip * MR));
             const T* apanel = ap + ip * MR * kc;
             for (index_t jp = jb; jp < je; ++jp) {
               const int nr = int(min_of<index_t>(NR, n - jp * NR));
-              tile(kc, apanel, bp + jp * NR * kc, c + ip * MR * rsc + jp * NR * csc, rsc, csc, mr, nr, pc > 0);
+              T* ct = c + ip * MR * rsc + jp * NR * csc;
+              if (direct_a)
+                K::ukernel(mr, kc, a + ip * MR * rsa + pc, rsa, 1, bp + jp * NR * kc, NR, ct, rsc, nr, pc > 0);
+              else
+                tile(kc, apanel, bp + jp * NR * kc, ct, rsc, csc, mr, nr, pc > 0);
             }
           }
         }
