@@ -709,16 +709,14 @@ struct Attention {
       // row per key: this block's V (for pv_rows below), and K and V PFD blocks ahead, so that
       // neither stream starts cold at a block boundary.
       // One query row (no grouped heads) over K/V that fit in cache: L keys at a time
-      // (kernels/x86_simd.h dot_keys), the prefetches between the keys as before. Streamed from
-      // memory, the key-by-key loop is faster (L keys at a time measured 1.10-1.15x slower on one
-      // thread, H32 Lk4096 D128), as it is for grouped rows (up to 1.6x, Hkv8 Lk32768 D128); the
-      // cause was not found.
-      // No software prefetch there: from L2/L3 the hardware's keeps up (measured the same or
-      // faster without).
+      // (kernels/x86_simd.h dot_keys), with no software prefetch (from L2/L3 the hardware's keeps
+      // up: measured the same or faster without). Streamed from memory, the key-by-key loop is
+      // faster (L keys at a time measured 1.10-1.15x slower on one thread, H32 Lk4096 D128), as it
+      // is for grouped rows (up to 1.6x, Hkv8 Lk32768 D128); the cause was not found.
       if (r.R == 1 && cached) {
         const KV* krows[DB];
         rows_at(kb0, a.k_rs, a.k_ps, *cur, k0, kb, krows);
-        K::dot_keys(r.q, E, index_t(1), krows, kb, E, r.s, DB, [](index_t) {});
+        K::dot_keys(r.q, E, index_t(1), krows, kb, E, r.s, DB);
         if constexpr (kInt8)
           for (index_t j = 0; j < kb; ++j) ks[j] = kscale(*cur, j);
       } else {

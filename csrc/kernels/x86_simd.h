@@ -414,16 +414,14 @@ struct VecKernels {
   //   s[j] = q . rows[j] for j < L (one query row): each key row read in order, into an
   //   accumulator of its own; the L accumulators reduced together (Ops::sum_lanes), a fraction of
   //   the cost of reducing each one. NV > 0: rows of exactly NV vectors, unrolled (the usual head
-  //   sizes); NV = 0: any length n. pre(j) runs before key j is read (the caller's prefetches,
-  //   spread between the keys: a burst of them stalls a streaming decode).
-  template <int NV, class S, class Pre>
-  static void dot_lanes(const T* q, const S* const* rows, index_t n, T* s, index_t j0, Pre& pre) {
+  //   sizes); NV = 0: any length n.
+  template <int NV, class S>
+  static void dot_lanes(const T* q, const S* const* rows, index_t n, T* s) {
     V acc[L];
     const index_t nv = NV > 0 ? NV : n / L, tail = NV > 0 ? 0 : n - nv * L;
     const typename Ops::Mask m = Ops::mask(int(tail));
 #pragma GCC unroll 16
     for (int j = 0; j < L; ++j) {
-      pre(j0 + j);
       const S* k = rows[j];
       V a = Ops::zero(), b = Ops::zero();  // two chains: half the FMA latency per key
       index_t i = 0;
@@ -441,27 +439,23 @@ struct VecKernels {
 
   //   s[x*ss + j] = q_x . rows[j] for x < R, j < kb: one query row (decode without grouped heads)
   //   L keys at a time where Ops has sum_lanes; otherwise, and for the last keys, key by key.
-  //   pre(j) runs before key j is read.
-  template <class S, class Pre>
-  static void dot_keys(const T* q, index_t qs, index_t R, const S* const* rows, index_t kb, index_t n, T* s, index_t ss,
-                       Pre&& pre) {
+  template <class S>
+  static void dot_keys(const T* q, index_t qs, index_t R, const S* const* rows, index_t kb, index_t n, T* s,
+                       index_t ss) {
     index_t j = 0;
     if constexpr (HasSumLanes<Ops>::value)
       if (R == 1)
         for (; j + L <= kb; j += L) {
           if (n == 4 * L)
-            dot_lanes<4>(q, rows + j, n, s + j, j, pre);
+            dot_lanes<4>(q, rows + j, n, s + j);
           else if (n == 8 * L)
-            dot_lanes<8>(q, rows + j, n, s + j, j, pre);
+            dot_lanes<8>(q, rows + j, n, s + j);
           else if (n == 16 * L)
-            dot_lanes<16>(q, rows + j, n, s + j, j, pre);
+            dot_lanes<16>(q, rows + j, n, s + j);
           else
-            dot_lanes<0>(q, rows + j, n, s + j, j, pre);
+            dot_lanes<0>(q, rows + j, n, s + j);
         }
-    for (; j < kb; ++j) {
-      pre(j);
-      dot_rows(q, qs, R, rows[j], n, s + j, ss);
-    }
+    for (; j < kb; ++j) dot_rows(q, qs, R, rows[j], n, s + j, ss);
   }
 
   //   s[x*ss] = q_x . k for x < R, the K row read in order, four query rows at a time

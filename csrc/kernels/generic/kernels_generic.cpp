@@ -61,14 +61,11 @@ struct GenericKernels {
       s[x * ss] = d;
     }
   }
-  //   s[x*ss + j] = q_x . rows[j] for x < R, j < kb; pre(j) runs before key j is read
-  template <class S, class Pre>
-  static void dot_keys(const T* q, index_t qs, index_t R, const S* const* rows, index_t kb, index_t n, T* s, index_t ss,
-                       Pre&& pre) {
-    for (index_t j = 0; j < kb; ++j) {
-      pre(j);
-      dot_rows(q, qs, R, rows[j], n, s + j, ss);
-    }
+  //   s[x*ss + j] = q_x . rows[j] for x < R, j < kb
+  template <class S>
+  static void dot_keys(const T* q, index_t qs, index_t R, const S* const* rows, index_t kb, index_t n, T* s,
+                       index_t ss) {
+    for (index_t j = 0; j < kb; ++j) dot_rows(q, qs, R, rows[j], n, s + j, ss);
   }
   //   acc[x, d] += sum_j p[x*ps + j] * rows[j][d]
   template <class S>
