@@ -635,6 +635,9 @@ PYBIND11_MODULE(_core, m) {
       [](const py::list& outs, const std::vector<index_t>& o_rs, const py::list& lses, const std::vector<index_t>& l_s,
          py::array& out, index_t out_rs, py::array& out_lse, index_t rows, index_t Ev) {
         const std::size_t n = outs.size();
+#ifdef PYATTN_DEBUG_CHECKS
+        PYATTN_DEBUG_CHECK(lses.size() == n && o_rs.size() == n && l_s.size() == n, "merge: one stride per state");
+#endif
         std::vector<py::array> o(n), l(n);  // held here: the pointers below stay valid
         std::vector<const void*> op(n);
         std::vector<const double*> lp(n);
@@ -645,7 +648,6 @@ PYBIND11_MODULE(_core, m) {
           lp[i] = static_cast<const double*>(cptr(l[i]));
         }
 #ifdef PYATTN_DEBUG_CHECKS
-        PYATTN_DEBUG_CHECK(lses.size() == n && o_rs.size() == n && l_s.size() == n, "merge: one stride per state");
         PYATTN_DEBUG_CHECK(out_lse.itemsize() == 8, "merge: the lse is float64");
         check_matrices("out", out, py::none(), 1, rows, out_rs, Ev, 1);
         check_matrices("out_lse", out_lse, py::none(), 1, 1, 0, rows, 1);
