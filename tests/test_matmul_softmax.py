@@ -60,6 +60,23 @@ def test_matmul_shapes(isa, dtype, m, k, n, rng):
     mm_check(a, b, dtype)
 
 
+# Large enough for a thread team: one thread and two take different panel orders (columns or
+# rows, A packed or read in place when n <= 64), k crosses the KC block (256), rows and columns
+# end in partial tiles.
+@dtype_param
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("m,k,n", [(515, 300, 17), (515, 600, 64), (515, 257, 65), (97, 520, 400), (1030, 64, 48)])
+@pytest.mark.parametrize("a_layout", ["c", "strided", "transposed"])
+def test_matmul_panel_orders(isa, dtype, threads, m, k, n, a_layout, rng):
+    a, b = randn(rng, (m, k), dtype), randn(rng, (k, n), dtype)
+    if a_layout == "strided":
+        a = randn(rng, (m, 2 * k), dtype)[:, ::2]
+    elif a_layout == "transposed":
+        a = np.ascontiguousarray(a.T).T
+    with pyattn.num_threads(threads):
+        mm_check(a, b, dtype)
+
+
 @dtype_param
 @pytest.mark.parametrize("m,n", [(1, 1), (3, 5), (17, 33), (64, 1)])
 def test_matmul_k0(isa, dtype, m, n):
