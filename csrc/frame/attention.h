@@ -321,15 +321,19 @@ struct Attention {
   // raw scores' spread over the rest of the block.
   //   cmax[c] = max_{r < mr} (st[r, c] - bias[r, c]) + bhw[c]
   void alibi_reference(const Problem& p, index_t qp, index_t k0, int mr, Tile& t) const {
-    const T base = T(qp + p.off - k0);
-    for (int c = 0; c < NR; ++c) {
-      T mx = -kInf;
-      for (int r = 0; r < mr; ++r) {
-        const T d = base + T(c - r), raw = t.st[r * NR + c] - p.md.nslope * (d < 0 ? -d : d);
-        mx = raw > mx ? raw : mx;
+    const T base = T(qp + p.off - k0), ns = p.md.nslope;
+    T* cm = t.cmax;
+    for (int c = 0; c < NR; ++c) cm[c] = -kInf;
+    for (int r = 0; r < mr; ++r) {
+      const T* s = t.st + r * NR;
+#pragma omp simd
+      for (int c = 0; c < NR; ++c) {
+        const T d = base + T(c - r), raw = s[c] - ns * (d < 0 ? -d : d);
+        cm[c] = raw > cm[c] ? raw : cm[c];
       }
-      t.cmax[c] = mx + t.bhw[c];
     }
+#pragma omp simd
+    for (int c = 0; c < NR; ++c) cm[c] += t.bhw[c];
   }
 
   // A fresh panel's references from the first mr rows of its first unmasked block (or from
