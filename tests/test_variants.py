@@ -862,6 +862,26 @@ def test_sdpa_sink_extremes(dtype, isa, rng):
 
 
 @dtype_param
+@pytest.mark.parametrize("lq", [1, 4096], ids=["decode", "prefill"])
+def test_sdpa_softcap_tanh_ulps(lq, dtype, isa):
+    """The kernels' tanh, seen alone: with one key the lse is the capped score cap * tanh(s / cap)
+    itself. s / cap sweeps the polynomial (|x| < 0.25 and < 0.625) and exp2 (above) ranges and
+    the saturation; every vector mixes several of them or holds one only."""
+    cap = 3.0
+    x = np.concatenate([np.linspace(-0.3, 0.3, 2048), np.linspace(-12.0, 12.0, 2048)])
+    q = (cap * x).astype(dtype).reshape(1, 1, -1, 1)
+    if lq == 1:  # each query its own head: the decode path
+        q = q.reshape(1, -1, 1, 1)
+    k, v = np.ones((1, 1, 1, 1), dtype), np.ones((1, 1, 1, 1), dtype)
+    _, lse = sdpa(q, k, v, softcap=cap, scale=1.0, return_lse=True)
+    s = q.astype(np.float64).ravel()
+    want = cap * np.tanh(s / cap)
+    ulp = np.spacing(np.abs(want).astype(dtype)).astype(np.float64)
+    err = np.abs(np.asarray(lse, np.float64).ravel() - want) / ulp
+    assert err.max() <= 4, (err.max(), s[err.argmax()])
+
+
+@dtype_param
 def test_sdpa_variant_shapes(dtype, isa, rng):
     """kv_lens, alibi_slopes and sinks in every accepted form: 2-D, 3-D and 5-D queries, lists,
     Python scalars, size-1 arrays, integer dtypes."""
