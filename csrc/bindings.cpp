@@ -105,8 +105,10 @@ constexpr bool kDebugChecks = false;
 
 // ----------------------------------------------------------------------------- small calls
 // scaled_dot_product_attention's everyday call, whole: NumPy float32 or float64 arrays of one
-// dtype and one leading shape (grouped-query heads allowed), unit feature stride, no mask, no
-// score variant, a new output. The general Python path spends ~14 us a call on broadcasting,
+// dtype and one leading shape (grouped-query heads allowed), unit feature stride, no mask, a new
+// output; the score variants in their plain forms (a window of ints or None, a float softcap,
+// per-head slopes and sinks as 1-D float arrays, kv_lens as a 1-D int array over the batch of a
+// 4-D call). The general Python path spends ~14 us a call on broadcasting,
 // strides and offsets, against a decode step's few microseconds of kernel, so this one is C,
 // called through METH_FASTCALL (pybind11's argument dispatch alone costs ~1 us).
 // It declines (returns None) anything else, and the Python layer, which is the definition of the
@@ -203,10 +205,119 @@ PyObject* guarded(F&& f) {
   return nullptr;
 }
 
-// sdpa_small(query, key, value, is_causal, causal_align, scale, enable_gqa, return_lse)
+// A window side: None (no bound) or a non-negative int, capped at kNoLimit (_validate.window_sides).
+bool window_side(PyObject* o, index_t& side) {
+  if (o == Py_None) {
+    side = pyattn::kNoLimit;
+    return true;
+  }
+  if (!PyLong_CheckExact(o)) return false;  // bool and NumPy integers: the Python path
+  int overflow = 0;
+  const long long x = PyLong_AsLongLongAndOverflow(o, &overflow);
+  if (overflow < 0 || (overflow == 0 && x < 0)) return false;
+  side = overflow > 0 || x > pyattn::kNoLimit ? pyattn::kNoLimit : index_t(x);
+  return true;
+}
+bool window_sides(PyObject* o, index_t& left, index_t& right) {
+  left = right = pyattn::kNoLimit;
+  if (o == Py_None) return true;
+  if (!PyTuple_CheckExact(o) || PyTuple_GET_SIZE(o) != 2) return false;
+  return window_side(PyTuple_GET_ITEM(o, 0), left) && window_side(PyTuple_GET_ITEM(o, 1), right);
+}
+
+// softcap: None (0) or a finite float or int > 0 (_validate.softcap_value).
+bool softcap_of(PyObject* o, double& cap) {
+  cap = 0.0;
+  if (o == Py_None) return true;
+  if (PyFloat_Check(o))
+    cap = PyFloat_AS_DOUBLE(o);
+  else if (PyLong_CheckExact(o))
+    cap = PyLong_AsDouble(o);
+  else
+    return false;
+  if (cap == -1.0 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  return cap > 0.0 && cap < HUGE_VAL;
+}
+
+// A NumPy array of one axis of n elements, native byte order, of one of the kinds given ('f',
+// 'i', 'u'); its type number and element size.
+const py::detail::PyArray_Proxy* vector_of(PyObject* o, index_t n, const char* kinds, int& typenum, int& itemsize) {
+  const auto& api = py::detail::npy_api::get();
+  if (Py_TYPE(o) != api.PyArray_Type_) return nullptr;
+  const auto* p = py::detail::array_proxy(o);
+  const auto* d = py::detail::array_descriptor_proxy(p->descr);
+  if (p->nd != 1 || p->dimensions[0] != n || !std::strchr(kinds, d->kind) || d->byteorder != '=') return nullptr;
+  typenum = d->type_num;
+  itemsize = int(py::dtype(py::reinterpret_borrow<py::object>(p->descr)).itemsize());
+  return p;
+}
+
+// A per-head quantity (ALiBi slopes, sinks): None, or a 1-D float32/float64 array of Hq values,
+// written out for every problem (problem i is head i % Hq) in the compute type T, as
+// _validate.per_head (NumPy's cast rounds to nearest, as static_cast does).
+template <class T>
+bool per_head(PyObject* o, index_t Hq, index_t bh, std::vector<T>& buf, const void*& ptr) {
+  ptr = nullptr;
+  if (o == Py_None) return true;
+  int typenum = 0, itemsize = 0;
+  const auto* p = vector_of(o, Hq, "f", typenum, itemsize);
+  if (!p || (typenum != kFloat32 && typenum != kFloat64)) return false;
+  buf.resize(std::size_t(bh));
+  for (index_t i = 0; i < bh; ++i) {
+    const char* e = p->data + (i % Hq) * p->strides[0];
+    if (typenum == kFloat32) {
+      float x;
+      std::memcpy(&x, e, sizeof x);
+      buf[std::size_t(i)] = T(x);
+    } else {
+      double x;
+      std::memcpy(&x, e, sizeof x);
+      buf[std::size_t(i)] = T(x);
+    }
+  }
+  ptr = buf.data();
+  return true;
+}
+
+// kv_lens: None, or a 1-D int array of B counts in [0, Lk] for a (B, H, L, E) call, repeated over
+// the H heads of each batch entry (_validate.key_counts). Anything else, and a count out of range
+// (an error the Python path raises), declines.
+bool key_counts(PyObject* o, int nlead, index_t B, index_t H, index_t Lk, std::vector<index_t>& buf,
+                const index_t*& ptr) {
+  ptr = nullptr;
+  if (o == Py_None) return true;
+  if (nlead != 2) return false;
+  int typenum = 0, itemsize = 0;
+  const auto* p = vector_of(o, B, "iu", typenum, itemsize);
+  if (!p || (itemsize != 4 && itemsize != 8)) return false;
+  const bool is_signed = py::detail::array_descriptor_proxy(p->descr)->kind == 'i';
+  buf.resize(std::size_t(B * H));
+  for (index_t b = 0; b < B; ++b) {
+    const char* e = p->data + b * p->strides[0];
+    std::uint64_t u;
+    if (itemsize == 4) {
+      std::uint32_t x;
+      std::memcpy(&x, e, sizeof x);
+      u = is_signed ? std::uint64_t(std::int64_t(std::int32_t(x))) : x;
+    } else {
+      std::memcpy(&u, e, sizeof u);
+    }
+    if (is_signed && std::int64_t(u) < 0) return false;
+    if (u > std::uint64_t(Lk)) return false;
+    for (index_t h = 0; h < H; ++h) buf[std::size_t(b * H + h)] = index_t(u);
+  }
+  ptr = buf.data();
+  return true;
+}
+
+// sdpa_small(query, key, value, is_causal, causal_align, scale, enable_gqa, return_lse, window,
+//            softcap, alibi_slopes, sinks, kv_lens)
 PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 8) {
-    PyErr_SetString(PyExc_TypeError, "sdpa_small takes 8 positional arguments");
+  if (nargs != 13) {
+    PyErr_SetString(PyExc_TypeError, "sdpa_small takes 13 positional arguments");
     return nullptr;
   }
   const int causal = flag(args[3]), gqa = flag(args[6]), want_lse = flag(args[7]);
@@ -244,6 +355,26 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   } else {
     Py_RETURN_NONE;
   }
+  index_t win_left, win_right;
+  double cap;
+  if (!window_sides(args[8], win_left, win_right) || !softcap_of(args[9], cap)) Py_RETURN_NONE;
+  // Per-problem variant vectors, reused from call to call like the offsets below.
+  thread_local std::vector<float> slopes32, sinks32;
+  thread_local std::vector<double> slopes64, sinks64;
+  thread_local std::vector<index_t> lens;
+  const void *slopes = nullptr, *sinks = nullptr;
+  const index_t* kv_lens = nullptr;
+  if (args[10] != Py_None || args[11] != Py_None || args[12] != Py_None) {
+    if (nlead == 0) Py_RETURN_NONE;  // per-head values need a heads axis
+    const index_t Hq = q.shape[nlead - 1];
+    index_t bh = 1;
+    for (int i = 0; i < nlead; ++i) bh *= index_t(q.shape[i]);
+    const bool ok = q.typenum == kFloat32
+                        ? per_head(args[10], Hq, bh, slopes32, slopes) && per_head(args[11], Hq, bh, sinks32, sinks)
+                        : per_head(args[10], Hq, bh, slopes64, slopes) && per_head(args[11], Hq, bh, sinks64, sinks);
+    if (!ok || !key_counts(args[12], nlead, nlead == 2 ? index_t(q.shape[0]) : 0, Hq, Lk, lens, kv_lens))
+      Py_RETURN_NONE;
+  }
 
   return guarded([&]() -> PyObject* {
     Py_ssize_t dims[kMaxDims];
@@ -278,7 +409,7 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
                        lse_data, want_lse ? lseoff.data() : nullptr, 1,
                        nullptr, nullptr, Lk,
                        scale, causal == 1, bottom_right == 1,
-                       0.0, nullptr, nullptr, pyattn::kNoLimit, pyattn::kNoLimit, nullptr,
+                       cap, slopes, sinks, win_left, win_right, kv_lens,
                        nullptr,
                        nullptr, nullptr, 0, 0, 0,
                        nullptr, nullptr, 0, 0,
@@ -466,9 +597,11 @@ PyMethodDef kvcache_def = {
 
 PyMethodDef sdpa_def = {
     "sdpa_small", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&sdpa)), METH_FASTCALL,
-    "sdpa_small(query, key, value, is_causal, causal_align, scale, enable_gqa, return_lse) -> object\n\n"
-    "scaled_dot_product_attention's common case in C (plain float arrays of one dtype and leading shape, no mask or "
-    "variant, a new output): the output (and lse), or None when the call is not that case."};
+    "sdpa_small(query, key, value, is_causal, causal_align, scale, enable_gqa, return_lse, window, softcap, "
+    "alibi_slopes, sinks, kv_lens) -> object\n\n"
+    "scaled_dot_product_attention's common case in C (plain float arrays of one dtype and leading shape, no mask, "
+    "the score variants in their plain forms, a new output): the output (and lse), or None when the call is not "
+    "that case."};
 
 }  // namespace small
 

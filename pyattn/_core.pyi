@@ -152,6 +152,11 @@ def sdpa_small(
     scale: object,
     enable_gqa: object,
     return_lse: object,
+    window: object,
+    softcap: object,
+    alibi_slopes: object,
+    sinks: object,
+    kv_lens: object,
 ) -> object: ...
 def isa() -> str: ...
 def isa_reason() -> str: ...

@@ -22,8 +22,12 @@ def _general(monkeypatch, *args, **kwargs):
         return pyattn.scaled_dot_product_attention(*args, **kwargs)
 
 
-def _small(q, k, v, is_causal=False, causal_align="top_left", scale=None, enable_gqa=False, return_lse=False):
-    return _core.sdpa_small(q, k, v, is_causal, causal_align, scale, enable_gqa, return_lse)
+_NO_VARIANT = dict(window=None, softcap=None, alibi_slopes=None, sinks=None, kv_lens=None)
+
+
+def _small(q, k, v, is_causal=False, causal_align="top_left", scale=None, enable_gqa=False, return_lse=False, **var):
+    var = _NO_VARIANT | var
+    return _core.sdpa_small(q, k, v, is_causal, causal_align, scale, enable_gqa, return_lse, *var.values())
 
 
 def _qkv(rng, lead, Lq, Lk, E, Ev, dtype=np.float32, hkv=None):
@@ -115,6 +119,37 @@ def _decline_cases():
         "key feature size": (q, k[..., :8], v, {}),
         "value length": (q, k, v[:, :, :5], {}),
         "integer return_lse": (q, k, v, {"return_lse": 1}),
+        # score variants in forms the Python layer defines (or rejects): it takes over
+        "window as a list": (q, k, v, {"window": [2, 0]}),
+        "window of three": (q, k, v, {"window": (2, 0, 1)}),
+        "numpy window side": (q, k, v, {"window": (np.int64(2), 0)}),
+        "bool window side": (q, k, v, {"window": (True, 0)}),
+        "negative window side": (q, k, v, {"window": (-1, 0)}),
+        "float window side": (q, k, v, {"window": (1.5, 0)}),
+        "numpy float32 softcap": (q, k, v, {"softcap": np.float32(5.0)}),
+        "bool softcap": (q, k, v, {"softcap": True}),
+        "zero softcap": (q, k, v, {"softcap": 0.0}),
+        "infinite softcap": (q, k, v, {"softcap": float("inf")}),
+        "nan softcap": (q, k, v, {"softcap": float("nan")}),
+        "huge int softcap": (q, k, v, {"softcap": 10**400}),
+        "slopes as a list": (q, k, v, {"alibi_slopes": [0.5, 0.25, 0.125, 0.0625]}),
+        "integer slopes": (q, k, v, {"alibi_slopes": np.arange(4)}),
+        "float16 slopes": (q, k, v, {"alibi_slopes": np.ones(4, np.float16)}),
+        "big-endian slopes": (q, k, v, {"alibi_slopes": np.ones(4, ">f8")}),
+        "slopes per batch and head": (q, k, v, {"alibi_slopes": np.ones((2, 4))}),
+        "one slope": (q, k, v, {"alibi_slopes": np.ones(1)}),
+        "slopes of the wrong length": (q, k, v, {"alibi_slopes": np.ones(3)}),
+        "sinks as a scalar": (q, k, v, {"sinks": 0.5}),
+        "sinks of the wrong length": (q, k, v, {"sinks": np.zeros(5)}),
+        "kv_lens as a list": (q, k, v, {"kv_lens": [8, 5]}),
+        "float kv_lens": (q, k, v, {"kv_lens": np.array([8.0, 5.0])}),
+        "int16 kv_lens": (q, k, v, {"kv_lens": np.array([8, 5], np.int16)}),
+        "kv_lens of one": (q, k, v, {"kv_lens": np.array([5])}),
+        "kv_lens past Lk": (q, k, v, {"kv_lens": np.array([9, 5])}),
+        "negative kv_lens": (q, k, v, {"kv_lens": np.array([-1, 5])}),
+        "huge unsigned kv_lens": (q, k, v, {"kv_lens": np.array([2**63 + 1, 5], np.uint64)}),
+        "kv_lens of a 3-D call": (q[0], k[0], v[0], {"kv_lens": np.array([8, 5, 3, 1])}),
+        "slopes of a 2-D call": (q[0, 0], k[0, 0], v[0, 0], {"alibi_slopes": np.ones(1)}),
     }
     misaligned = np.frombuffer(b"\0" + q.tobytes(), np.uint8)[1:].view(np.float32).reshape(q.shape)
     cases["misaligned"] = (misaligned, k, v, {})
@@ -130,7 +165,8 @@ def test_declines_what_it_is_not_for(monkeypatch, name):
     """Every other call returns None from the fast path, and the public function gives what the
     general path gives: the same result or the same error."""
     q, k, v, kw = _decline_cases()[name]
-    args = dict(is_causal=False, causal_align="top_left", scale=None, enable_gqa=False, return_lse=False) | kw
+    args = dict(is_causal=False, causal_align="top_left", scale=None, enable_gqa=False, return_lse=False)
+    args = args | _NO_VARIANT | kw
     assert _core.sdpa_small(q, k, v, *args.values()) is None
     try:
         want = _general(monkeypatch, q, k, v, **kw)
@@ -151,11 +187,6 @@ def test_declines_what_it_is_not_for(monkeypatch, name):
     "kw",
     [
         {"attn_mask": np.ones((3, 8), bool)},
-        {"window": (2, 0)},
-        {"softcap": 5.0},
-        {"alibi_slopes": np.ones(4)},
-        {"sinks": np.zeros(4)},
-        {"kv_lens": np.array([8, 5])},
         {"return_weights": True},
         {"out": np.empty((2, 4, 3, 16), np.float32)},
     ],
@@ -185,8 +216,52 @@ def test_the_public_function_takes_it(monkeypatch):
 
 
 def test_wrong_argument_count_is_a_type_error():
-    with pytest.raises(TypeError, match="8 positional"):
+    with pytest.raises(TypeError, match="13 positional"):
         _core.sdpa_small(1, 2, 3)
+
+
+def _variants(rng, B, Hq, Lk, dtype):
+    """Every score variant in the plain forms the fast path takes, one of each input dtype."""
+    other = np.float64 if dtype == np.float32 else np.float32
+    return {
+        "window": {"window": (3, None)},
+        "window_both": {"window": (5, 2)},
+        "window_huge": {"window": (10**30, 0)},
+        "softcap": {"softcap": 2.5},
+        "softcap_int": {"softcap": 3},
+        "alibi": {"alibi_slopes": (2.0 ** -np.arange(1, Hq + 1)).astype(dtype)},
+        "alibi_other_dtype": {"alibi_slopes": (2.0 ** -np.arange(1, Hq + 1)).astype(other)[::-1]},
+        "sinks": {"sinks": rng.standard_normal(Hq).astype(other)},
+        "kv_lens": {"kv_lens": rng.integers(0, Lk + 1, B).astype(np.int32)},
+        "kv_lens_u64": {"kv_lens": np.full(B, Lk, np.uint64)},
+        "all": {
+            "window": (7, 1),
+            "softcap": 4.0,
+            "alibi_slopes": np.linspace(0.1, 0.9, Hq),
+            "sinks": np.linspace(-1.0, 1.0, Hq).astype(dtype),
+            "kv_lens": rng.integers(0, Lk + 1, B),
+        },
+    }
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("Lq, Lk, gqa", [(1, 40, False), (1, 300, True), (9, 33, False), (70, 129, True)])
+@pytest.mark.parametrize("causal, align", [(False, "top_left"), (True, "top_left"), (True, "bottom_right")])
+def test_variants_bitwise_equal_to_the_general_path(monkeypatch, isa, dtype, Lq, Lk, gqa, causal, align):
+    """The score variants through the fast path: taken, and bitwise what the general path gives
+    (both decode and prefill kernels, grouped heads, the output and lse)."""
+    rng = np.random.default_rng(Lq * 7 + Lk)
+    B, Hq = 3, 4
+    q, k, v = _qkv(rng, (B, Hq), Lq, Lk, 16, 12, dtype, hkv=2 if gqa else None)
+    for name, var in _variants(rng, B, Hq, Lk, dtype).items():
+        got = _small(q, k, v, causal, align, None, gqa, True, **var)
+        assert got is not None, f"the fast path declined {name}"
+        kw = dict(is_causal=causal, causal_align=align, enable_gqa=gqa, return_lse=True, **var)
+        want = _general(monkeypatch, q, k, v, **kw)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            np.testing.assert_array_equal(g, w, err_msg=name)
+        np.testing.assert_array_equal(pyattn.scaled_dot_product_attention(q, k, v, **kw)[0], got[0])
 
 
 def test_threads_and_results_do_not_depend_on_the_thread_count():
