@@ -358,13 +358,14 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   index_t win_left, win_right;
   double cap;
   if (!window_sides(args[8], win_left, win_right) || !softcap_of(args[9], cap)) Py_RETURN_NONE;
-  // Per-problem variant vectors, reused from call to call like the offsets below.
-  thread_local std::vector<float> slopes32, sinks32;
-  thread_local std::vector<double> slopes64, sinks64;
-  thread_local std::vector<index_t> lens;
   const void *slopes = nullptr, *sinks = nullptr;
   const index_t* kv_lens = nullptr;
   if (args[10] != Py_None || args[11] != Py_None || args[12] != Py_None) {
+    // Per-problem variant vectors, reused from call to call like the offsets below (declared
+    // here: each thread_local costs its guard check on every pass through its declaration).
+    thread_local std::vector<float> slopes32, sinks32;
+    thread_local std::vector<double> slopes64, sinks64;
+    thread_local std::vector<index_t> lens;
     if (nlead == 0) Py_RETURN_NONE;  // per-head values need a heads axis
     const index_t Hq = q.shape[nlead - 1];
     index_t bh = 1;
