@@ -74,6 +74,14 @@ struct Gemm {
 
   static constexpr index_t kDirectMaxN = 64;
 
+  // How evenly `total` rows (or columns), in panels of `width`, split over nt threads: the mean
+  // share over the busiest thread's (1: even). Nine column panels of (333, 517, 129) split 5 / 4,
+  // the last one a single column: 0.81, where its 56 row panels split 0.98.
+  static double balance(index_t panels, index_t width, index_t total, int nt) {
+    // split_range gives the first threads the extra panels, all whole: the first is the busiest
+    return double(total) / (double(nt) * double(min_of<index_t>(total, ceil_div(panels, index_t(nt)) * width)));
+  }
+
   // One matrix, run by thread `tid` of a team of `nt` (nt == 1: no barriers).
   // ap, bp: shared packing buffers of at least round_up(m,MR)*KC and KC*round_up(n,NR) elements.
   static void body(const T* a, index_t rsa, index_t csa, const T* b, index_t rsb, index_t csb, T* c, index_t rsc,
@@ -86,7 +94,8 @@ struct Gemm {
     // and takes the row order: A packed block by block (or read in place when narrow), not all
     // of it up front and read back from L3 (AVX2 (4096, 4096, 64): 0.71 of the time).
     index_t r0 = 0, r1 = npa, c0 = 0, c1 = npb;
-    const bool split_cols = nt > 1 && (npb >= 4 * nt || npb >= npa);
+    const bool split_cols =
+        nt > 1 && (npb >= 4 * nt || npb >= npa) && balance(npb, NR, n, nt) + 0.05 >= balance(npa, MR, m, nt);
     // Narrow products (n <= kDirectMaxN): each A micro-panel would serve a few tiles only, and
     // packing it (a transpose) cost more than it saved. The micro-kernel then reads the thread's
     // A rows where they lie, as attention reads K rows (A/B, AVX2 and AVX-512, 1 and 2 threads:
