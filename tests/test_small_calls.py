@@ -302,6 +302,56 @@ def test_property_bitwise_equal(lead, Lq, Lk, E, Ev, causal, bottom_right, f64, 
         np.testing.assert_array_equal(g, w)
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    B=st.integers(1, 3),
+    Hkv=st.integers(1, 3),
+    group=st.integers(1, 3),
+    Lq=st.integers(1, 40),
+    Lk=st.integers(1, 90),
+    E=st.integers(1, 24),
+    causal=st.booleans(),
+    bottom_right=st.booleans(),
+    f64=st.booleans(),
+    window=st.one_of(
+        st.none(), st.tuples(st.one_of(st.none(), st.integers(0, 50)), st.one_of(st.none(), st.integers(0, 50)))
+    ),
+    softcap=st.one_of(st.none(), st.floats(0.5, 60.0)),
+    alibi=st.booleans(),
+    sinks=st.booleans(),
+    kv_lens=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_property_variants_bitwise_equal(
+    B, Hkv, group, Lq, Lk, E, causal, bottom_right, f64, window, softcap, alibi, sinks, kv_lens, seed
+):
+    """Any mix of variants the fast path takes gives bitwise the general path's output and lse."""
+    dtype = np.float64 if f64 else np.float32
+    rng = np.random.default_rng(seed)
+    Hq = Hkv * group
+    q, k, v = _qkv(rng, (B, Hq), Lq, Lk, E, E, dtype, hkv=Hkv if group > 1 else None)
+    var = dict(
+        window=window,
+        softcap=softcap,
+        alibi_slopes=rng.uniform(0.0, 1.0, Hq).astype(dtype) if alibi else None,
+        sinks=rng.standard_normal(Hq) if sinks else None,
+        kv_lens=rng.integers(0, Lk + 1, B) if kv_lens else None,
+    )
+    align = "bottom_right" if bottom_right else "top_left"
+    got = _small(q, k, v, causal, align, None, group > 1, True, **var)
+    assert got is not None
+    real = _api._sdpa_small
+    _api._sdpa_small = lambda *a: None
+    try:
+        want = pyattn.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, causal_align=align, enable_gqa=group > 1, return_lse=True, **var
+        )
+    finally:
+        _api._sdpa_small = real
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
 # ----------------------------------------------------------------------------- kvcache_small
 
 from pyattn import _kvcache  # noqa: E402
