@@ -6,6 +6,8 @@ the only definition of the contract."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -23,6 +25,18 @@ def _general(monkeypatch, *args, **kwargs):
 
 
 _NO_VARIANT = dict(window=None, softcap=None, alibi_slopes=None, sinks=None, kv_lens=None)
+
+
+@contextlib.contextmanager
+def _fast_path_off():
+    """The public function with the fast path switched off, where a test has no monkeypatch
+    (hypothesis runs many examples in one test function)."""
+    real = _api._sdpa_small
+    _api._sdpa_small = lambda *a: None
+    try:
+        yield
+    finally:
+        _api._sdpa_small = real
 
 
 def _small(q, k, v, is_causal=False, causal_align="top_left", scale=None, enable_gqa=False, return_lse=False, **var):
@@ -292,12 +306,8 @@ def test_property_bitwise_equal(lead, Lq, Lk, E, Ev, causal, bottom_right, f64, 
     align = "bottom_right" if bottom_right else "top_left"
     got = _small(q, k, v, causal, align, None, False, lse)
     assert got is not None
-    real = _api._sdpa_small
-    _api._sdpa_small = lambda *a: None
-    try:
+    with _fast_path_off():
         want = pyattn.scaled_dot_product_attention(q, k, v, is_causal=causal, causal_align=align, return_lse=lse)
-    finally:
-        _api._sdpa_small = real
     for g, w in zip(got if lse else (got,), want if lse else (want,)):
         np.testing.assert_array_equal(g, w)
 
@@ -340,14 +350,10 @@ def test_property_variants_bitwise_equal(
     align = "bottom_right" if bottom_right else "top_left"
     got = _small(q, k, v, causal, align, None, group > 1, True, **var)
     assert got is not None
-    real = _api._sdpa_small
-    _api._sdpa_small = lambda *a: None
-    try:
+    with _fast_path_off():
         want = pyattn.scaled_dot_product_attention(
             q, k, v, is_causal=causal, causal_align=align, enable_gqa=group > 1, return_lse=True, **var
         )
-    finally:
-        _api._sdpa_small = real
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
 
