@@ -255,6 +255,14 @@ const py::detail::PyArray_Proxy* vector_of(PyObject* o, index_t n, const char* k
   return p;
 }
 
+// The S at p (NumPy data need not be aligned for S).
+template <class S>
+S read_at(const char* p) {
+  S x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+
 // A per-head quantity (ALiBi slopes, sinks): None, or a 1-D float32/float64 array of Hq values,
 // written out for every problem (problem i is head i % Hq) in the compute type T, as
 // _validate.per_head (NumPy's cast rounds to nearest, as static_cast does).
@@ -268,28 +276,20 @@ bool per_head(PyObject* o, index_t Hq, index_t bh, std::vector<T>& buf, const vo
   buf.resize(std::size_t(bh));
   for (index_t i = 0; i < bh; ++i) {
     const char* e = p->data + (i % Hq) * p->strides[0];
-    if (typenum == kFloat32) {
-      float x;
-      std::memcpy(&x, e, sizeof x);
-      buf[std::size_t(i)] = T(x);
-    } else {
-      double x;
-      std::memcpy(&x, e, sizeof x);
-      buf[std::size_t(i)] = T(x);
-    }
+    buf[std::size_t(i)] = typenum == kFloat32 ? T(read_at<float>(e)) : T(read_at<double>(e));
   }
   ptr = buf.data();
   return true;
 }
 
-// kv_lens: None, or a 1-D int array of B counts in [0, Lk] for a (B, H, L, E) call, repeated over
-// the H heads of each batch entry (_validate.key_counts). Anything else, and a count out of range
-// (an error the Python path raises), declines.
-bool key_counts(PyObject* o, int nlead, index_t B, index_t H, index_t Lk, std::vector<index_t>& buf,
-                const index_t*& ptr) {
+// kv_lens: None, or a 1-D int array of B counts in [0, Lk] for a (B, H, L, E) query, repeated
+// over the H heads of each batch entry (_validate.key_counts). Anything else, and a count out of
+// range (an error the Python path raises), declines.
+bool key_counts(PyObject* o, const View& q, index_t Lk, std::vector<index_t>& buf, const index_t*& ptr) {
   ptr = nullptr;
   if (o == Py_None) return true;
-  if (nlead != 2) return false;
+  if (q.nd != 4) return false;
+  const index_t B = q.shape[0], H = q.shape[1];
   int typenum = 0, itemsize = 0;
   const auto* p = vector_of(o, B, "iu", typenum, itemsize);
   if (!p || (itemsize != 4 && itemsize != 8)) return false;
@@ -297,16 +297,10 @@ bool key_counts(PyObject* o, int nlead, index_t B, index_t H, index_t Lk, std::v
   buf.resize(std::size_t(B * H));
   for (index_t b = 0; b < B; ++b) {
     const char* e = p->data + b * p->strides[0];
-    std::uint64_t u;
-    if (itemsize == 4) {
-      std::uint32_t x;
-      std::memcpy(&x, e, sizeof x);
-      u = is_signed ? std::uint64_t(std::int64_t(std::int32_t(x))) : x;
-    } else {
-      std::memcpy(&u, e, sizeof u);
-    }
-    if (is_signed && std::int64_t(u) < 0) return false;
-    if (u > std::uint64_t(Lk)) return false;
+    // as int64 when signed (a negative count declines), else as uint64
+    const bool neg = is_signed && (itemsize == 4 ? read_at<std::int32_t>(e) < 0 : read_at<std::int64_t>(e) < 0);
+    const std::uint64_t u = itemsize == 4 ? std::uint64_t(read_at<std::uint32_t>(e)) : read_at<std::uint64_t>(e);
+    if (neg || u > std::uint64_t(Lk)) return false;
     for (index_t h = 0; h < H; ++h) buf[std::size_t(b * H + h)] = index_t(u);
   }
   ptr = buf.data();
@@ -373,8 +367,7 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     const bool ok = q.typenum == kFloat32
                         ? per_head(args[10], Hq, bh, slopes32, slopes) && per_head(args[11], Hq, bh, sinks32, sinks)
                         : per_head(args[10], Hq, bh, slopes64, slopes) && per_head(args[11], Hq, bh, sinks64, sinks);
-    if (!ok || !key_counts(args[12], nlead, nlead == 2 ? index_t(q.shape[0]) : 0, Hq, Lk, lens, kv_lens))
-      Py_RETURN_NONE;
+    if (!ok || !key_counts(args[12], q, Lk, lens, kv_lens)) Py_RETURN_NONE;
   }
 
   return guarded([&]() -> PyObject* {
@@ -434,13 +427,9 @@ bool overlap(const View& a, const View& b) {
 
 // A 1-D int64 vector of n entries, or a 2-D C-contiguous int32 table of n rows.
 bool int64_vector(PyObject* o, index_t n, const std::int64_t*& data, index_t& stride) {
-  const auto& api = py::detail::npy_api::get();
-  if (Py_TYPE(o) != api.PyArray_Type_) return false;
-  const auto* p = py::detail::array_proxy(o);
-  const auto* d = py::detail::array_descriptor_proxy(p->descr);
-  if (p->nd != 1 || p->dimensions[0] != n || d->kind != 'i' || d->byteorder != '=') return false;
-  if (py::dtype(py::reinterpret_borrow<py::object>(p->descr)).itemsize() != 8) return false;
-  if (reinterpret_cast<std::uintptr_t>(p->data) % 8 || p->strides[0] % 8) return false;
+  int typenum = 0, itemsize = 0;
+  const auto* p = vector_of(o, n, "i", typenum, itemsize);
+  if (!p || itemsize != 8 || reinterpret_cast<std::uintptr_t>(p->data) % 8 || p->strides[0] % 8) return false;
   data = reinterpret_cast<const std::int64_t*>(p->data);
   stride = p->strides[0] / 8;
   return true;
