@@ -286,13 +286,10 @@ static inline void gemm_ukernel_exp2(int mr, index_t k, const typename Ops::T* a
         T* cr = c + r * ldc;
 #pragma GCC unroll 4
         for (int v = 0; v < NV; ++v) {
-          V x;
-          if constexpr (decltype(linear)::value) {
-            const V rest = Ops::fma(Ops::set1(T(-r)), step, sv[v]);  // one rounding, as mods_plus
-            x = CAP ? Ops::fma(Ops::set1(md.cap), tanh_v<Ops>(acc[r][v]), rest) : Ops::add(acc[r][v], rest);
-          } else {
-            x = mods_plus<Ops, CAP, ALIBI>(acc[r][v], md, dcol[v], r, sv[v]);
-          }
+          // linear: the row's bias and -sub by one FMA (one rounding, as mods_plus), then the cap
+          const V x = decltype(linear)::value ? mods_plus<Ops, CAP, false>(acc[r][v], md, dcol[v], r,
+                                                                           Ops::fma(Ops::set1(T(-r)), step, sv[v]))
+                                              : mods_plus<Ops, CAP, ALIBI>(acc[r][v], md, dcol[v], r, sv[v]);
           mx[v] = Ops::max(mx[v], x);
           const V e = Ops::exp2(x);
           sm[v] = Ops::add(sm[v], e);
@@ -300,14 +297,11 @@ static inline void gemm_ukernel_exp2(int mr, index_t k, const typename Ops::T* a
         }
       }
     };
-    if constexpr (ALIBI) {
-      if (base - T(M - 1) >= T(0) || base + T(NV * L - 1) <= T(0))
-        rows(std::true_type{});
-      else
-        rows(std::false_type{});
-    } else {
+    // (without ALiBi both calls are the one plain instance)
+    if (ALIBI && (base - T(M - 1) >= T(0) || base + T(NV * L - 1) <= T(0)))
+      rows(std::bool_constant<ALIBI>{});
+    else
       rows(std::false_type{});
-    }
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
       Ops::store(xmax + v * L, mx[v]);
