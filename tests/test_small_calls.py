@@ -287,6 +287,10 @@ def test_threads_and_results_do_not_depend_on_the_thread_count():
     np.testing.assert_array_equal(one, two)
 
 
+#: what every property test of the fast path draws besides its shapes
+_CALL = dict(causal=st.booleans(), bottom_right=st.booleans(), f64=st.booleans(), seed=st.integers(0, 2**16))
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     lead=st.lists(st.integers(1, 3), min_size=0, max_size=3).map(tuple),
@@ -294,11 +298,8 @@ def test_threads_and_results_do_not_depend_on_the_thread_count():
     Lk=st.integers(1, 80),
     E=st.integers(1, 40),
     Ev=st.integers(1, 40),
-    causal=st.booleans(),
-    bottom_right=st.booleans(),
-    f64=st.booleans(),
     lse=st.booleans(),
-    seed=st.integers(0, 2**16),
+    **_CALL,
 )
 def test_property_bitwise_equal(lead, Lq, Lk, E, Ev, causal, bottom_right, f64, lse, seed):
     dtype = np.float64 if f64 else np.float32
@@ -320,9 +321,6 @@ def test_property_bitwise_equal(lead, Lq, Lk, E, Ev, causal, bottom_right, f64, 
     Lq=st.integers(1, 40),
     Lk=st.integers(1, 90),
     E=st.integers(1, 24),
-    causal=st.booleans(),
-    bottom_right=st.booleans(),
-    f64=st.booleans(),
     window=st.one_of(
         st.none(), st.tuples(st.one_of(st.none(), st.integers(0, 50)), st.one_of(st.none(), st.integers(0, 50)))
     ),
@@ -330,7 +328,7 @@ def test_property_bitwise_equal(lead, Lq, Lk, E, Ev, causal, bottom_right, f64, 
     alibi=st.booleans(),
     sinks=st.booleans(),
     kv_lens=st.booleans(),
-    seed=st.integers(0, 2**16),
+    **_CALL,
 )
 def test_property_variants_bitwise_equal(
     B, Hkv, group, Lq, Lk, E, causal, bottom_right, f64, window, softcap, alibi, sinks, kv_lens, seed
