@@ -320,6 +320,22 @@ def test_direct_float32_query_on_stored_values(isa, layout, cdt, rng):
         assert_close(lse[b], want_lse, np.float32, tol=TOL[cdt], what=f"sequence {b} lse")
 
 
+@pytest.mark.parametrize("cdt", ["float32", "int8"])
+@pytest.mark.parametrize(("group", "E"), [(2, 5), (3, 17), (5, 100), (6, 33), (7, 64)])
+def test_grouped_decode_rows_and_tails(isa, cdt, group, E, rng):
+    """Grouped query rows in the decode (a few keys at a time for four, two, then one row): every
+    remainder of rows, a head size with a vector tail, key counts off the key-group size."""
+    lens = np.array([1, 6, 37])
+    c = make_direct(rng, "contiguous", cdt, lens, 1, E=E, Ev=E)
+    q = randn(rng, (3, 2 * group, 1, E), np.float32)
+    out = pyattn.kvcache_attention(q, c["k_cache"], c["v_cache"], lens, k_scale=c["k_scale"], v_scale=c["v_scale"])
+    for b in range(3):
+        n = int(lens[b])
+        kc, vc = stored(c["k_cache"], c["k_scale"], None, b, n), stored(c["v_cache"], c["v_scale"], None, b, n)
+        want = ref_sdpa(q[b], kc, vc, enable_gqa=True)
+        assert_close(out[b], want, np.float32, tol=TOL[cdt], what=f"sequence {b}")
+
+
 # ------------------------------------------------------------------------------------------------
 # 4. in-place writes, byte by byte
 

@@ -721,21 +721,24 @@ struct Attention {
       Slots* cur = &ring[blk % (PFD + 1)];
       Slots* nxt = &ring[(blk + PFD) % (PFD + 1)];
       if (nb > 0) slots(pg, k1, nb, *nxt);
-      // s[x, j] = q_x . k_j, key rows read in order (see kernels/x86_simd.h). Prefetched, one
-      // row per key: this block's V (for pv_rows below), and K and V PFD blocks ahead, so that
-      // neither stream starts cold at a block boundary.
-      // One query row (no grouped heads) over K/V that fit in cache: L keys at a time
-      // (kernels/x86_simd.h dot_keys), with no software prefetch (from L2/L3 the hardware's keeps
-      // up: measured the same or faster without). Streamed from memory, the key-by-key loop is
-      // faster (L keys at a time measured 1.10-1.15x slower on one thread, H32 Lk4096 D128), as it
-      // is for grouped rows (up to 1.6x, Hkv8 Lk32768 D128); the cause was not found.
+      // s[x, j] = q_x . k_j. Streamed from memory, key rows are read one after the other and
+      // prefetched one row per key: this block's V (for pv_rows below), and K and V PFD blocks
+      // ahead, so that neither stream starts cold at a block boundary.
+      // Over K/V that fit in cache, several keys at a time (kernels/x86_simd.h dot_keys: L for
+      // one query row, L / 4 for grouped rows), with no software prefetch: from L2/L3 the
+      // hardware's keeps up, and the prefetches cost more than they save (grouped rows, Hq4 Hkv1
+      // Lk4096 D128, one thread: 23.4 ns a key with them, 16.0 without).
+      // Streamed from memory, the key-by-key loop is faster for float rows (L keys at a time
+      // measured 1.10-1.15x slower on one thread, H32 Lk4096 D128; L / 4 keys of grouped rows
+      // 1.24-1.55x, Hkv8 Lk32768 D128; the cause was not found), but an int8 cache, bound by
+      // its conversions, takes the grouped rows L / 4 keys at a time (1.15x faster).
       if (r.R == 1 && cached) {
         const KV* krows[DB];
         rows_at(kb0, a.k_rs, a.k_ps, *cur, k0, kb, krows);
         K::dot_keys(r.q, E, index_t(1), krows, kb, E, r.s, DB);
         if constexpr (kInt8)
           for (index_t j = 0; j < kb; ++j) ks[j] = kscale(*cur, j);
-      } else {
+      } else if (r.R == 1 || !(cached || kInt8)) {
         for (index_t j = 0; j < kb; ++j) {
           prefetch_rows_l2(vrow(*cur, j), a.v_rs, 1, Ev);
           if (j < nb) {
@@ -744,6 +747,24 @@ struct Attention {
           }
           K::dot_rows(r.q, E, r.R, krow(*cur, j), E, r.s + j, DB);
           if constexpr (kInt8) ks[j] = kscale(*cur, j);
+        }
+      } else {
+        const KV* krows[DB];
+        rows_at(kb0, a.k_rs, a.k_ps, *cur, k0, kb, krows);
+        constexpr index_t KG = 16;  // keys per dot_keys call, their prefetches just before it
+        for (index_t jg = 0; jg < kb; jg += KG) {
+          const index_t n = min_of<index_t>(KG, kb - jg);
+          for (index_t j = jg; j < jg + n; ++j) {
+            if (!cached) {
+              prefetch_rows_l2(vrow(*cur, j), a.v_rs, 1, Ev);
+              if (j < nb) {
+                prefetch_rows_l2(krow(*nxt, j), a.k_rs, 1, E);
+                prefetch_rows_l2(vrow(*nxt, j), a.v_rs, 1, Ev);
+              }
+            }
+            if constexpr (kInt8) ks[j] = kscale(*cur, j);
+          }
+          K::dot_keys(r.q, E, r.R, krows + jg, n, E, r.s + jg, DB);
         }
       }
       for (index_t x = 0; x < r.R; ++x) {

@@ -473,14 +473,58 @@ struct VecKernels {
     Ops::store(s, Ops::sum_lanes(acc));
   }
 
-  //   s[x*ss + j] = q_x . rows[j] for x < R, j < kb: one query row (decode without grouped heads)
-  //   L keys at a time where Ops has sum_lanes; otherwise, and for the last keys, key by key.
+  //   s[r*ss + j] = q_r . rows[j] for r < RB, j < KB (RB * KB <= L): one accumulator per pair,
+  //   all reduced together (Ops::sum_lanes). Each vector of a key row is loaded once for all RB
+  //   rows and each query vector once for all KB keys, where the key-by-key loop reloads the
+  //   queries per key and reduces every pair on its own.
+  template <int RB, int KB, class S>
+  static void dot_group(const T* q, index_t qs, const S* const* rows, index_t n, T* s, index_t ss) {
+    static_assert(RB * KB <= L, "one lane per pair");
+    V acc[L];
+#pragma GCC unroll 16
+    for (int i = 0; i < L; ++i) acc[i] = Ops::zero();  // the lanes past RB * KB stay zero
+    index_t e = 0;
+    for (; e + L <= n; e += L) {
+      V qv[RB];
+#pragma GCC unroll 4
+      for (int r = 0; r < RB; ++r) qv[r] = Ops::load(q + r * qs + e);
+#pragma GCC unroll 16
+      for (int j = 0; j < KB; ++j) {
+        const V kv = load_as<Ops>(rows[j] + e);
+#pragma GCC unroll 4
+        for (int r = 0; r < RB; ++r) acc[r * KB + j] = Ops::fma(qv[r], kv, acc[r * KB + j]);
+      }
+    }
+    if (e < n) {
+      const int t = int(n - e);
+      const typename Ops::Mask m = Ops::mask(t);
+      V qv[RB];
+#pragma GCC unroll 4
+      for (int r = 0; r < RB; ++r) qv[r] = Ops::maskload(m, q + r * qs + e);
+#pragma GCC unroll 16
+      for (int j = 0; j < KB; ++j) {
+        const V kv = load_as_n<Ops>(m, t, rows[j] + e);
+#pragma GCC unroll 4
+        for (int r = 0; r < RB; ++r) acc[r * KB + j] = Ops::fma(qv[r], kv, acc[r * KB + j]);
+      }
+    }
+    T sum[L];
+    Ops::store(sum, Ops::sum_lanes(acc));
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 16
+      for (int j = 0; j < KB; ++j) s[r * ss + j] = sum[r * KB + j];
+  }
+
+  //   s[x*ss + j] = q_x . rows[j] for x < R, j < kb. Where Ops has sum_lanes: one query row L
+  //   keys at a time (decode without grouped heads), grouped rows L / 4 (or L / 2) keys at a time
+  //   for four (two) rows; otherwise, and for the last keys, key by key.
   template <class S>
   static void dot_keys(const T* q, index_t qs, index_t R, const S* const* rows, index_t kb, index_t n, T* s,
                        index_t ss) {
     index_t j = 0;
-    if constexpr (HasSumLanes<Ops>::value)
-      if (R == 1)
+    if constexpr (HasSumLanes<Ops>::value) {
+      if (R == 1) {
         for (; j + L <= kb; j += L) {
           if (n == 4 * L)
             dot_lanes<4>(q, rows + j, n, s + j);
@@ -491,6 +535,18 @@ struct VecKernels {
           else
             dot_lanes<0>(q, rows + j, n, s + j);
         }
+      } else {
+        // L / 4 keys at a time, for every block of four rows, then two rows, then one: the
+        // keys' rows stay in L1 across the row blocks
+        constexpr int KB = L / 4;
+        for (; j + KB <= kb; j += KB) {
+          index_t x = 0;
+          for (; x + 4 <= R; x += 4) dot_group<4, KB, S>(q + x * qs, qs, rows + j, n, s + x * ss + j, ss);
+          for (; x + 2 <= R; x += 2) dot_group<2, KB, S>(q + x * qs, qs, rows + j, n, s + x * ss + j, ss);
+          if (x < R) dot_group<1, KB, S>(q + x * qs, qs, rows + j, n, s + x * ss + j, ss);
+        }
+      }
+    }
     for (; j < kb; ++j) dot_rows(q, qs, R, rows[j], n, s + j, ss);
   }
 
