@@ -121,20 +121,43 @@ struct View {
   int nd, typenum;
   Py_ssize_t itemsize;
   const Py_ssize_t *shape, *strides;
+  int half;  // 1 float16, 2 bfloat16 (half_kind), 0 float32/float64
 };
 
-constexpr int kFloat32 = 11, kFloat64 = 12;  // NPY_FLOAT, NPY_DOUBLE
-constexpr int kMaxDims = 64;                 // NumPy 2's NPY_MAXDIMS (32 before)
+constexpr int kFloat16 = 23, kFloat32 = 11, kFloat64 = 12;  // NPY_HALF, NPY_FLOAT, NPY_DOUBLE
+constexpr int kMaxDims = 64;                                // NumPy 2's NPY_MAXDIMS (32 before)
 
-// A plain ndarray of native float32/float64, aligned, strides in whole elements, unit feature
-// stride, at least `min_nd` axes, nothing empty.
-bool view_of(PyObject* o, int min_nd, View& v) {
+// The kind of a half-precision element type the float32 kernels read as they are: 1 float16,
+// 2 bfloat16 (ml_dtypes: a user type, known by its name once and then by its scalar type), 0
+// anything else.
+int half_kind(PyObject* descr) {
+  static PyObject* bf16_type = nullptr;  // ml_dtypes.bfloat16, once seen
+  const auto* d = py::detail::array_descriptor_proxy(descr);
+  if (d->type_num == kFloat16) return 1;
+  if (d->kind != 'V') return 0;
+  if (bf16_type) return d->typeobj == bf16_type ? 2 : 0;
+  PyObject* name = PyObject_GetAttrString(descr, "name");
+  const bool is_bf16 = name && PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, "bfloat16") == 0;
+  Py_XDECREF(name);
+  PyErr_Clear();
+  if (!is_bf16) return 0;
+  bf16_type = d->typeobj;
+  Py_INCREF(bf16_type);  // kept for the life of the process, as ml_dtypes keeps its type
+  return 2;
+}
+
+// A plain ndarray of native float32/float64 (or, with `half`, float16/bfloat16: v.half says
+// which), aligned, strides in whole elements, unit feature stride, at least `min_nd` axes,
+// nothing empty.
+bool view_of(PyObject* o, int min_nd, View& v, bool half = false) {
   const auto& api = py::detail::npy_api::get();
   if (Py_TYPE(o) != api.PyArray_Type_) return false;
   const auto* p = py::detail::array_proxy(o);
   const auto* d = py::detail::array_descriptor_proxy(p->descr);
-  if ((d->type_num != kFloat32 && d->type_num != kFloat64) || d->byteorder != '=') return false;
-  v = View{p->data, p->nd, d->type_num, d->type_num == kFloat32 ? 4 : 8, p->dimensions, p->strides};
+  const int hk = half && d->byteorder != '>' ? half_kind(p->descr) : 0;
+  if (hk == 0 && ((d->type_num != kFloat32 && d->type_num != kFloat64) || d->byteorder != '=')) return false;
+  const Py_ssize_t size = hk ? 2 : d->type_num == kFloat32 ? 4 : 8;
+  v = View{p->data, p->nd, d->type_num, size, p->dimensions, p->strides, hk};
   if (v.nd < min_nd || reinterpret_cast<std::uintptr_t>(v.data) % v.itemsize) return false;
   for (int i = 0; i < v.nd; ++i)
     if (v.shape[i] == 0 || v.strides[i] % v.itemsize) return false;
@@ -178,13 +201,15 @@ py::object new_array(int typenum, int nd, const Py_ssize_t* dims) {
 }
 void* data_of(const py::object& a) { return py::detail::array_proxy(a.ptr())->data; }
 
-// Runs the float32 or float64 attention kernel on `a` without the GIL (unless `run` is false:
-// no key to read) and returns out, or (out, lse).
+// Runs the float32 or float64 attention kernel (float32 on float16 / bfloat16 K/V when `half` is
+// 1 / 2) on `a` without the GIL (unless `run` is false: no key to read) and returns out, or
+// (out, lse).
 PyObject* attend(const pyattn::AttnArgs& a, int typenum, py::object& out, const py::object& lse, bool want_lse,
-                 bool run = true) {
+                 bool run = true, int half = 0) {
   if (run) {
+    const pyattn::IsaTable& isa = pyattn::active_isa();
     py::gil_scoped_release nogil;
-    pyattn::active_isa().attention[typenum == kFloat32 ? 0 : 1](a);
+    (half ? isa.attention_lowp[half - 1] : isa.attention[typenum == kFloat32 ? 0 : 1])(a);
   }
   if (!want_lse) return out.release().ptr();
   return PyTuple_Pack(2, out.ptr(), lse.ptr());
@@ -322,8 +347,11 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   if (bottom_right < 0) Py_RETURN_NONE;
   View q, k, v;
   const int min_nd = gqa ? 3 : 2;
-  if (!view_of(args[0], min_nd, q) || !view_of(args[1], min_nd, k) || !view_of(args[2], min_nd, v)) Py_RETURN_NONE;
-  if (k.typenum != q.typenum || v.typenum != q.typenum || k.nd != q.nd || v.nd != q.nd) Py_RETURN_NONE;
+  if (!view_of(args[0], min_nd, q) || !view_of(args[1], min_nd, k, true) || !view_of(args[2], min_nd, v, true))
+    Py_RETURN_NONE;
+  // K and V of the query's type, or both float16 / both bfloat16 with a float32 query
+  const bool same = k.half ? v.half == k.half && q.typenum == kFloat32 : k.typenum == q.typenum && !v.half;
+  if (!same || v.typenum != k.typenum || k.nd != q.nd || v.nd != q.nd) Py_RETURN_NONE;
   const int nd = q.nd, nlead = nd - 2, nouter = gqa ? nd - 3 : nlead;
   for (int i = 0; i < nouter; ++i)
     if (k.shape[i] != q.shape[i] || v.shape[i] != q.shape[i]) Py_RETURN_NONE;
@@ -410,7 +438,7 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
                        nullptr, nullptr, 0, 0,
                        pyattn::get_num_threads()};
     // clang-format on
-    return attend(a, q.typenum, out, lse, want_lse);
+    return attend(a, q.typenum, out, lse, want_lse, true, k.half);
   });
 }
 
@@ -448,10 +476,53 @@ bool int32_table(PyObject* o, index_t rows, const std::int32_t*& data, index_t& 
   return true;
 }
 
+// float32 to float16 bits, rounded to nearest even as NumPy casts, for finite |x| < 65504
+// (half_writable declines the rest: NumPy's overflow warning and NaN payloads stay its own).
+std::uint16_t f16_bits(float x) {
+  std::uint32_t f;
+  std::memcpy(&f, &x, 4);
+  const std::uint32_t sign = (f >> 16) & 0x8000u, a = f & 0x7fffffffu;
+  if (a >= 0x38800000u) {  // a normal half: move the exponent's bias from 127 to 15, round 13 bits off
+    const std::uint32_t r = a - 0x38000000u;
+    return std::uint16_t(sign | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13));
+  }
+  if (a < 0x33000000u) return std::uint16_t(sign);  // under half the smallest subnormal, 2^-25
+  // a subnormal half: units of 2^-24, the 24-bit significand shifted right by 126 - exponent
+  const std::uint32_t m = (a & 0x7fffffu) | 0x800000u;
+  const int shift = 126 - int(a >> 23);
+  const std::uint32_t q = m >> shift, rem = m & ((1u << shift) - 1u), halfway = 1u << (shift - 1);
+  return std::uint16_t(sign | (q + (rem > halfway || (rem == halfway && (q & 1u)) ? 1u : 0u)));
+}
+// float32 to bfloat16 bits, rounded to nearest even as ml_dtypes casts (not NaN: declined).
+std::uint16_t bf16_bits(float x) {
+  std::uint32_t f;
+  std::memcpy(&f, &x, 4);
+  return std::uint16_t((f + 0x7fffu + ((f >> 16) & 1u)) >> 16);
+}
+//   dst[i] = src[i] as float16 (half = 1) or bfloat16 (2) bits, i < n
+void to_half(const float* src, index_t n, int half, char* dst) {
+  for (index_t i = 0; i < n; ++i) {
+    const std::uint16_t h = half == 1 ? f16_bits(src[i]) : bf16_bits(src[i]);
+    std::memcpy(dst + 2 * i, &h, 2);
+  }
+}
+// Whether every value of the (B, H, L, n) float32 view `v` converts as f16_bits / bf16_bits do.
+bool half_writable(const View& v, index_t B, index_t H, index_t L, index_t n, int half) {
+  for (index_t b = 0; b < B; ++b)
+    for (index_t h = 0; h < H; ++h)
+      for (index_t j = 0; j < L; ++j) {
+        const float* r =
+            reinterpret_cast<const float*>(v.data + b * v.strides[0] + h * v.strides[1] + j * v.strides[2]);
+        for (index_t i = 0; i < n; ++i)
+          if (half == 1 ? !(std::fabs(r[i]) < 65504.0f) : std::isnan(r[i])) return false;
+      }
+  return true;
+}
+
 // kvcache_small(query, k_cache, v_cache, cache_lens, k_new, v_new, block_table, scale, is_causal,
-// return_lse): kvcache_attention's everyday call (a float cache of the query's dtype, contiguous
-// or paged, no int8 scales, no variant, a new output), appends and attends; None for anything
-// else, before anything is written.
+// return_lse): kvcache_attention's everyday call (a float cache of the query's dtype, or a
+// float16 / bfloat16 one with a float32 query, contiguous or paged, no int8 scales, no variant,
+// a new output), appends and attends; None for anything else, before anything is written.
 PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 10) {
     PyErr_SetString(PyExc_TypeError, "kvcache_small takes 10 positional arguments");
@@ -460,8 +531,12 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
   const int causal = flag(args[8]), want_lse = flag(args[9]);
   if (causal < 0 || want_lse < 0) Py_RETURN_NONE;
   View q, kc, vc, kn{}, vn{};
-  if (!view_of(args[0], 4, q) || !view_of(args[1], 4, kc) || !view_of(args[2], 4, vc)) Py_RETURN_NONE;
-  if (q.nd != 4 || kc.nd != 4 || vc.nd != 4 || kc.typenum != q.typenum || vc.typenum != q.typenum) Py_RETURN_NONE;
+  if (!view_of(args[0], 4, q) || !view_of(args[1], 4, kc, true) || !view_of(args[2], 4, vc, true)) Py_RETURN_NONE;
+  // a cache of the query's type, or a float16 / bfloat16 one with a float32 query
+  const int half = kc.half;
+  if (q.nd != 4 || kc.nd != 4 || vc.nd != 4 || vc.half != half || vc.typenum != kc.typenum ||
+      (half ? q.typenum != kFloat32 : kc.typenum != q.typenum))
+    Py_RETURN_NONE;
   const bool append = args[4] != Py_None;
   if (append != (args[5] != Py_None)) Py_RETURN_NONE;
   const index_t B = q.shape[0], Hq = q.shape[1], Lq = q.shape[2], E = q.shape[3];
@@ -489,6 +564,7 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
         !(py::detail::array_proxy(args[2])->flags & py::detail::npy_api::NPY_ARRAY_WRITEABLE_))
       Py_RETURN_NONE;
     if (overlap(kn, kc) || overlap(kn, vc) || overlap(vn, kc) || overlap(vn, vc)) Py_RETURN_NONE;
+    if (half && !(half_writable(kn, B, Hkv, Lq, E, half) && half_writable(vn, B, Hkv, Lq, Ev, half))) Py_RETURN_NONE;
   }
   index_t Lk = 0;
   for (index_t b = 0; b < B; ++b) {
@@ -519,9 +595,12 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
             for (index_t j = 0; j < Lq; ++j) {
               const index_t pos = lens_data[b * lens_s] + j;
               const index_t blk = paged ? table[b * tcols + pos / bsize] : b, row = paged ? pos % bsize : pos;
-              std::memcpy(dst.data + blk * dst.strides[0] + h * dst.strides[1] + row * dst.strides[2],
-                          src.data + b * src.strides[0] + h * src.strides[1] + j * src.strides[2],
-                          std::size_t(n) * std::size_t(src.itemsize));
+              char* to = dst.data + blk * dst.strides[0] + h * dst.strides[1] + row * dst.strides[2];
+              const char* from = src.data + b * src.strides[0] + h * src.strides[1] + j * src.strides[2];
+              if (half)
+                to_half(reinterpret_cast<const float*>(from), n, half, to);
+              else
+                std::memcpy(to, from, std::size_t(n) * std::size_t(src.itemsize));
             }
       };
       put(kn, kc, E);
@@ -573,7 +652,7 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
                        nullptr, nullptr, 0, 0,
                        pyattn::get_num_threads()};
     // clang-format on
-    return attend(a, q.typenum, out, lse, want_lse, Lk > 0);
+    return attend(a, q.typenum, out, lse, want_lse, Lk > 0, half);
   });
 }
 
@@ -581,15 +660,17 @@ PyMethodDef kvcache_def = {
     "kvcache_small", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&kvcache)), METH_FASTCALL,
     "kvcache_small(query, k_cache, v_cache, cache_lens, k_new, v_new, block_table, scale, is_causal, return_lse) -> "
     "object\n\n"
-    "kvcache_attention's common case in C (a float cache of the query's dtype, contiguous or paged, no variant, a new "
-    "output): the output (and lse) after the append, or None, having written nothing, when the call is not that "
+    "kvcache_attention's common case in C (a float cache of the query's dtype, or a float16 / bfloat16 one with a "
+    "float32 query, contiguous or paged, no variant, a new output): the output (and lse) after the append, or None, "
+    "having written nothing, when the call is not that "
     "case."};
 
 PyMethodDef sdpa_def = {
     "sdpa_small", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&sdpa)), METH_FASTCALL,
     "sdpa_small(query, key, value, is_causal, causal_align, scale, enable_gqa, return_lse, window, softcap, "
     "alibi_slopes, sinks, kv_lens) -> object\n\n"
-    "scaled_dot_product_attention's common case in C (plain float arrays of one dtype and leading shape, no mask, "
+    "scaled_dot_product_attention's common case in C (plain float arrays of one dtype, or float16 / bfloat16 key "
+    "and value with a float32 query, one leading shape, no mask, "
     "the score variants in their plain forms, a new output): the output (and lse), or None when the call is not "
     "that case."};
 

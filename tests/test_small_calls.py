@@ -115,8 +115,8 @@ def _decline_cases():
         "broadcast batch": (q, k[:1], v[:1], {}),
         "fewer axes": (q, k[0], v[0], {}),
         "mixed dtypes": (q, k.astype(np.float64), v, {}),
-        "float16 key/value": (q, f16(k), f16(v), {}),
         "float16 query": (f16(q), k, v, {}),
+        "float16 key, float32 value": (q, f16(k), v, {}),
         "strided feature axis": (q, np.repeat(k, 2, axis=-1)[..., ::2], v, {}),
         "big-endian": (q.astype(">f4"), k, v, {}),
         "a list": (q.tolist(), k, v, {}),
@@ -361,7 +361,9 @@ def test_property_variants_bitwise_equal(
 from pyattn import _kvcache  # noqa: E402
 
 
-def _cache_case(rng, *, B=3, Hq=8, Hkv=2, Lq=1, E=16, Ev=12, Lmax=40, paged=False, dtype=np.float32):
+def _cache_case(rng, *, B=3, Hq=8, Hkv=2, Lq=1, E=16, Ev=12, Lmax=40, paged=False, dtype=np.float32, cdt=None):
+    """Query and new tokens of `dtype`, the caches of `cdt` (default: `dtype`)."""
+    cdt = dtype if cdt is None else cdt
     lens = rng.integers(0, Lmax - Lq, B).astype(np.int64)
     q = rng.standard_normal((B, Hq, Lq, E)).astype(dtype)
     kn = rng.standard_normal((B, Hkv, Lq, E)).astype(dtype)
@@ -369,13 +371,22 @@ def _cache_case(rng, *, B=3, Hq=8, Hkv=2, Lq=1, E=16, Ev=12, Lmax=40, paged=Fals
     if paged:
         bs, per = 8, -(-Lmax // 8)
         table = rng.permutation(B * per + 3)[: B * per].reshape(B, per).astype(np.int32)
-        kc = rng.standard_normal((B * per + 3, Hkv, bs, E)).astype(dtype)
-        vc = rng.standard_normal((B * per + 3, Hkv, bs, Ev)).astype(dtype)
+        kc = rng.standard_normal((B * per + 3, Hkv, bs, E)).astype(cdt)
+        vc = rng.standard_normal((B * per + 3, Hkv, bs, Ev)).astype(cdt)
     else:
         table = None
-        kc = rng.standard_normal((B, Hkv, Lmax, E)).astype(dtype)
-        vc = rng.standard_normal((B, Hkv, Lmax, Ev)).astype(dtype)
+        kc = rng.standard_normal((B, Hkv, Lmax, E)).astype(cdt)
+        vc = rng.standard_normal((B, Hkv, Lmax, Ev)).astype(cdt)
     return q, kc, vc, lens, kn, vn, table
+
+
+def _half_types():
+    """float16, and ml_dtypes.bfloat16 where ml_dtypes is installed."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return [np.dtype(np.float16)]
+    return [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
 
 
 def _general_cache(q, kc, vc, lens, kn, vn, table, *, scale=None, is_causal=True, return_lse=False):
@@ -386,13 +397,18 @@ def _general_cache(q, kc, vc, lens, kn, vn, table, *, scale=None, is_causal=True
     )  # fmt: skip
 
 
+_CACHE_TYPES = [(np.float32, None), (np.float64, None)] + [(np.float32, h) for h in _half_types()]
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("append", [True, False], ids=["append", "read"])
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dtype, cdt", _CACHE_TYPES)
 @pytest.mark.parametrize("Lq, Hq, Hkv, causal", [(1, 8, 2, True), (3, 4, 4, True), (5, 6, 3, False), (1, 1, 1, True)])
-def test_kvcache_bitwise_equal_to_the_general_path(isa, paged, append, dtype, Lq, Hq, Hkv, causal):
+def test_kvcache_bitwise_equal_to_the_general_path(isa, paged, append, dtype, cdt, Lq, Hq, Hkv, causal):
+    """Float caches of the query's type, and float16 / bfloat16 caches (written by rounding to
+    nearest even, as NumPy casts) with a float32 query."""
     rng = np.random.default_rng(Lq * 100 + Hq + Hkv)
-    case = _cache_case(rng, Hq=Hq, Hkv=Hkv, Lq=Lq, paged=paged, dtype=dtype)
+    case = _cache_case(rng, Hq=Hq, Hkv=Hkv, Lq=Lq, paged=paged, dtype=dtype, cdt=cdt)
     q, kc, vc, lens, kn, vn, table = case
     if not append:
         kn = vn = None
@@ -400,8 +416,8 @@ def test_kvcache_bitwise_equal_to_the_general_path(isa, paged, append, dtype, Lq
     got = _core.kvcache_small(q, kc, vc, lens, kn, vn, table, None, causal, True)
     assert got is not None, "the fast path declined an everyday call"
     want = _general_cache(q, kc2, vc2, lens, kn, vn, table, is_causal=causal, return_lse=True)
-    np.testing.assert_array_equal(kc, kc2)  # the same tokens written in the same places
-    np.testing.assert_array_equal(vc, vc2)
+    np.testing.assert_array_equal(kc.view(np.uint8), kc2.view(np.uint8))  # the same bytes in the same places
+    np.testing.assert_array_equal(vc.view(np.uint8), vc2.view(np.uint8))
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and g.shape == w.shape
         np.testing.assert_array_equal(g, w)
@@ -443,8 +459,17 @@ def _kvcache_decline_cases():
     over[1] = 40
     bad_table = ptable.copy()
     bad_table[0, 0] = pkc.shape[0]
-    return {
-        "float16 cache": dict(base, k_cache=kc.astype(np.float16), v_cache=vc.astype(np.float16)),
+    h16 = dict(base, k_cache=kc.astype(np.float16), v_cache=vc.astype(np.float16))
+    nan_new, big_new = kn.copy(), kn.copy()
+    nan_new[0, 0, 0, 3] = np.nan
+    big_new[1, 1, 0, 0] = -65504.0  # representable, but the fast path leaves the edge to NumPy
+    cases = {
+        "int8 cache": dict(base, k_cache=kc.astype(np.int8), v_cache=vc.astype(np.int8)),
+        "float16 cache, float64 query": dict(h16, query=q.astype(np.float64)),
+        "float16 cache, float16 new tokens": dict(h16, k_new=kn.astype(np.float16), v_new=vn.astype(np.float16)),
+        "float16 and float32 caches": dict(h16, v_cache=vc),
+        "NaN into a float16 cache": dict(h16, k_new=nan_new),
+        "65504 into a float16 cache": dict(h16, k_new=big_new),
         "float64 cache, float32 query": dict(base, k_cache=kc.astype(np.float64), v_cache=vc.astype(np.float64)),
         "float64 new tokens": dict(base, k_new=kn.astype(np.float64)),
         "only k_new": dict(base, v_new=None),
@@ -460,6 +485,12 @@ def _kvcache_decline_cases():
         "block outside the cache": dict(base, k_cache=pkc, v_cache=pvc, block_table=bad_table),
         "strided new feature axis": dict(base, k_new=np.repeat(kn, 2, axis=-1)[..., ::2]),
     }
+    if len(_half_types()) > 1:
+        bf = _half_types()[1]
+        b16 = dict(base, k_cache=kc.astype(bf), v_cache=vc.astype(bf))
+        cases["NaN into a bfloat16 cache"] = dict(b16, v_new=np.where(np.isnan(nan_new[..., :12]), np.nan, vn))
+        cases["bfloat16 and float16 caches"] = dict(b16, v_cache=vc.astype(np.float16))
+    return cases
 
 
 @pytest.mark.parametrize("name", sorted(_kvcache_decline_cases()))
@@ -489,3 +520,60 @@ def test_kvcache_other_keywords_reach_the_general_path(monkeypatch):
 def test_kvcache_small_argument_count():
     with pytest.raises(TypeError, match="10 positional"):
         _core.kvcache_small(1, 2)
+
+
+@pytest.mark.parametrize("cdt", _half_types(), ids=str)
+def test_half_cache_writes_round_as_numpy_casts(cdt):
+    """Tokens written into a float16 / bfloat16 cache by the fast path hold the bytes NumPy's (or
+    ml_dtypes') cast gives: random bit patterns over the whole range, and the rounding edges
+    (ties, the subnormals, zero's sign, the largest values)."""
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 2**32, (4, 1024), dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x[1] = (x[1].view(np.uint32) & np.uint32(0x8FFFFFFF) | np.uint32(0x30000000)).view(np.float32)  # near half's range
+    edges = [0.0, -0.0, 2.0**-25, -(2.0**-25), 2.0**-25 * 1.0000001, 2.0**-24, 2.0**-24 * 1.5, 2.0**-24 * 2.5,
+             2.0**-14, 2.0**-14 * (1 - 2.0**-11), 65503.9, 65500.0, 1e-45, 1.17e-38, 3e38, -3e38, 1.0 + 2.0**-8,
+             1.0 + 3 * 2.0**-8, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11]  # fmt: skip
+    x[2, : len(edges)] = edges
+    limit = 65504.0 if cdt == np.float16 else np.inf
+    x[~(np.abs(x) < limit)] = 0.0  # NaN, inf and float16 overflow: declined (test above)
+    E = 16
+    new = x.reshape(1, 1, -1, E)
+    L = new.shape[2]
+    kc, vc = np.zeros((1, 1, L, E), cdt), np.zeros((1, 1, L, E), cdt)
+    q = np.zeros((1, 1, L, E), np.float32)
+    assert _core.kvcache_small(q, kc, vc, np.zeros(1, np.int64), new, new, None, None, True, False) is not None
+    np.testing.assert_array_equal(kc.view(np.uint16), new.astype(cdt).view(np.uint16))
+    np.testing.assert_array_equal(vc.view(np.uint16), new.astype(cdt).view(np.uint16))
+
+
+@pytest.mark.parametrize("cdt", _half_types(), ids=str)
+@pytest.mark.parametrize("lead, Lq, Lk, E, Ev", SHAPES[:5])
+@pytest.mark.parametrize("causal, align", [(False, "top_left"), (True, "bottom_right")])
+def test_half_kv_bitwise_equal_to_the_general_path(monkeypatch, isa, cdt, lead, Lq, Lk, E, Ev, causal, align):
+    """float16 / bfloat16 key and value with a float32 query: the fast path reads them as they
+    are, as the general path does, with and without variants."""
+    rng = np.random.default_rng(Lq + Lk)
+    q, k, v = _qkv(rng, lead, Lq, Lk, E, Ev)
+    k, v = k.astype(cdt), v.astype(cdt)
+    for var in ({}, {"softcap": 20.0, "window": (7, None)}):
+        got = _small(q, k, v, causal, align, return_lse=True, **var)
+        assert got is not None, "the fast path declined half-precision K/V"
+        want = _general(monkeypatch, q, k, v, is_causal=causal, causal_align=align, return_lse=True, **var)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype == np.float32 and g.shape == w.shape
+            np.testing.assert_array_equal(g, w)
+
+
+def test_half_kv_declines_other_mixes():
+    """Half K/V only as a pair of one type under a float32 query; the general path defines the
+    rest (it upcasts)."""
+    rng = np.random.default_rng(9)
+    q, k, v = _qkv(rng, (1, 2), 1, 8, 16, 16)
+    halves = _half_types()
+    h = halves[0]
+    mixes = [(q, k.astype(h), v), (q, k, v.astype(h)), (q.astype(np.float64), k.astype(h), v.astype(h)),
+             (q.astype(h), k.astype(h), v.astype(h))]  # fmt: skip
+    if len(halves) > 1:
+        mixes.append((q, k.astype(halves[0]), v.astype(halves[1])))
+    for args in mixes:
+        assert _small(*args) is None, [a.dtype for a in args]
