@@ -44,5 +44,7 @@ else
   env -u PYATTN_ISA "${run[@]}" --expect-default neon --dispatch-only
   PYATTN_ISA=generic "${run[@]}" --expect-default generic --dispatch-only
 fi
-# Two OpenMP threads at most, whatever the machine: the test asks for one or two per call.
-OMP_NUM_THREADS=2 "${run[@]}" ${args[@]+"${args[@]}"}
+# Two OpenMP threads at most, whatever the machine: the test asks for one or two per call. A
+# kernel that never returns fails here after 15 minutes (the whole run takes about one under
+# qemu), not at CI's limit.
+OMP_NUM_THREADS=2 timeout 900 "${run[@]}" ${args[@]+"${args[@]}"}

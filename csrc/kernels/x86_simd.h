@@ -535,7 +535,7 @@ struct VecKernels {
           else
             dot_lanes<0>(q, rows + j, n, s + j);
         }
-      } else {
+      } else if constexpr (L >= 4) {  // (two-lane vectors: key by key)
         // L / 4 keys at a time, for every block of four rows, then two rows, then one: the
         // keys' rows stay in L1 across the row blocks
         constexpr int KB = L / 4;
