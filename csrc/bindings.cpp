@@ -121,11 +121,11 @@ struct View {
   int nd, typenum;
   Py_ssize_t itemsize;
   const Py_ssize_t *shape, *strides;
-  int half;  // 1 float16, 2 bfloat16 (half_kind), 0 float32/float64
+  int half;  // the K/V kind the float32 kernels read: 1 float16, 2 bfloat16 (half_kind), 3 int8; 0 float32/64
 };
 
-constexpr int kFloat16 = 23, kFloat32 = 11, kFloat64 = 12;  // NPY_HALF, NPY_FLOAT, NPY_DOUBLE
-constexpr int kMaxDims = 64;                                // NumPy 2's NPY_MAXDIMS (32 before)
+constexpr int kInt8 = 1, kFloat16 = 23, kFloat32 = 11, kFloat64 = 12;  // NPY_BYTE, NPY_HALF, NPY_FLOAT, NPY_DOUBLE
+constexpr int kMaxDims = 64;                                           // NumPy 2's NPY_MAXDIMS (32 before)
 
 // The kind of a half-precision element type the float32 kernels read as they are: 1 float16,
 // 2 bfloat16 (ml_dtypes: a user type, known by its name once and then by its scalar type), 0
@@ -149,14 +149,14 @@ int half_kind(PyObject* descr) {
 // A plain ndarray of native float32/float64 (or, with `half`, float16/bfloat16: v.half says
 // which), aligned, strides in whole elements, unit feature stride, at least `min_nd` axes,
 // nothing empty.
-bool view_of(PyObject* o, int min_nd, View& v, bool half = false) {
+bool view_of(PyObject* o, int min_nd, View& v, bool half = false, bool int8 = false) {
   const auto& api = py::detail::npy_api::get();
   if (Py_TYPE(o) != api.PyArray_Type_) return false;
   const auto* p = py::detail::array_proxy(o);
   const auto* d = py::detail::array_descriptor_proxy(p->descr);
-  const int hk = half && d->byteorder != '>' ? half_kind(p->descr) : 0;
+  const int hk = int8 && d->type_num == kInt8 ? 3 : half && d->byteorder != '>' ? half_kind(p->descr) : 0;
   if (hk == 0 && ((d->type_num != kFloat32 && d->type_num != kFloat64) || d->byteorder != '=')) return false;
-  const Py_ssize_t size = hk ? 2 : d->type_num == kFloat32 ? 4 : 8;
+  const Py_ssize_t size = hk == 3 ? 1 : hk ? 2 : d->type_num == kFloat32 ? 4 : 8;
   v = View{p->data, p->nd, d->type_num, size, p->dimensions, p->strides, hk};
   if (v.nd < min_nd || reinterpret_cast<std::uintptr_t>(v.data) % v.itemsize) return false;
   for (int i = 0; i < v.nd; ++i)
@@ -506,7 +506,36 @@ void to_half(const float* src, index_t n, int half, char* dst) {
     std::memcpy(dst + 2 * i, &h, 2);
   }
 }
-// Whether every value of the (B, H, L, n) float32 view `v` converts as f16_bits / bf16_bits do.
+//   dst[i] = rint(src[i] / scale) in [-127, 127], *scale_at = scale = max|src| / 127 (1 for an
+//   all-zero row), in float32 as _kvcache._quantize computes it (finite values only)
+void quantize_row(const float* src, index_t n, char* dst, char* scale_at) {
+  float amax = 0.0f;
+  for (index_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(src[i]));
+  const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+  for (index_t i = 0; i < n; ++i) {
+    const float r = std::nearbyint(src[i] / scale);  // to nearest even, as np.rint
+    dst[i] = static_cast<char>(static_cast<std::int8_t>(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r));
+  }
+  std::memcpy(scale_at, &scale, sizeof scale);
+}
+
+// An int8 cache's scales: a native float32 ndarray of the cache's first three axes (any whole-
+// element strides), as _cache_attention requires.
+bool scales_of(PyObject* o, const View& cache, View& v) {
+  const auto& api = py::detail::npy_api::get();
+  if (Py_TYPE(o) != api.PyArray_Type_) return false;
+  const auto* p = py::detail::array_proxy(o);
+  const auto* d = py::detail::array_descriptor_proxy(p->descr);
+  if (d->type_num != kFloat32 || d->byteorder != '=' || p->nd != 3) return false;
+  v = View{p->data, p->nd, d->type_num, 4, p->dimensions, p->strides, 0};
+  if (reinterpret_cast<std::uintptr_t>(v.data) % 4) return false;
+  for (int i = 0; i < 3; ++i)
+    if (v.shape[i] != cache.shape[i] || v.strides[i] % 4) return false;
+  return true;
+}
+
+// Whether every value of the (B, H, L, n) float32 view `v` converts as f16_bits / bf16_bits
+// (half 1 / 2) or quantize_row (3) do.
 bool half_writable(const View& v, index_t B, index_t H, index_t L, index_t n, int half) {
   for (index_t b = 0; b < B; ++b)
     for (index_t h = 0; h < H; ++h)
@@ -514,25 +543,28 @@ bool half_writable(const View& v, index_t B, index_t H, index_t L, index_t n, in
         const float* r =
             reinterpret_cast<const float*>(v.data + b * v.strides[0] + h * v.strides[1] + j * v.strides[2]);
         for (index_t i = 0; i < n; ++i)
-          if (half == 1 ? !(std::fabs(r[i]) < 65504.0f) : std::isnan(r[i])) return false;
+          if (half == 1 ? !(std::fabs(r[i]) < 65504.0f) : half == 2 ? std::isnan(r[i]) : !std::isfinite(r[i]))
+            return false;
       }
   return true;
 }
 
 // kvcache_small(query, k_cache, v_cache, cache_lens, k_new, v_new, block_table, scale, is_causal,
-// return_lse): kvcache_attention's everyday call (a float cache of the query's dtype, or a
-// float16 / bfloat16 one with a float32 query, contiguous or paged, no int8 scales, no variant,
-// a new output), appends and attends; None for anything else, before anything is written.
+// return_lse, k_scale, v_scale): kvcache_attention's everyday call (a float cache of the query's dtype, or a
+// float16 / bfloat16 / int8 one with a float32 query, contiguous or paged, no variant, a new
+// output; k_scale, v_scale: an int8 cache's scales, else None), appends and attends; None for
+// anything else, before anything is written.
 PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 10) {
-    PyErr_SetString(PyExc_TypeError, "kvcache_small takes 10 positional arguments");
+  if (nargs != 12) {
+    PyErr_SetString(PyExc_TypeError, "kvcache_small takes 12 positional arguments");
     return nullptr;
   }
   const int causal = flag(args[8]), want_lse = flag(args[9]);
   if (causal < 0 || want_lse < 0) Py_RETURN_NONE;
   View q, kc, vc, kn{}, vn{};
-  if (!view_of(args[0], 4, q) || !view_of(args[1], 4, kc, true) || !view_of(args[2], 4, vc, true)) Py_RETURN_NONE;
-  // a cache of the query's type, or a float16 / bfloat16 one with a float32 query
+  if (!view_of(args[0], 4, q) || !view_of(args[1], 4, kc, true, true) || !view_of(args[2], 4, vc, true, true))
+    Py_RETURN_NONE;
+  // a cache of the query's type, or a float16 / bfloat16 / int8 one with a float32 query
   const int half = kc.half;
   if (q.nd != 4 || kc.nd != 4 || vc.nd != 4 || vc.half != half || vc.typenum != kc.typenum ||
       (half ? q.typenum != kFloat32 : kc.typenum != q.typenum))
@@ -548,6 +580,10 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
   const std::int32_t* table = nullptr;
   index_t tcols = 0;
   if (paged ? !int32_table(args[6], B, table, tcols) : kc.shape[0] != B) Py_RETURN_NONE;
+  View ks{}, vs{};  // int8: float32 scales laid out like the cache without its feature axis
+  if (half == 3 ? !scales_of(args[10], kc, ks) || !scales_of(args[11], vc, vs)
+                : args[10] != Py_None || args[11] != Py_None)
+    Py_RETURN_NONE;
   const index_t bsize = kc.shape[2], capacity = paged ? tcols * bsize : bsize;
   const std::int64_t* lens_data;
   index_t lens_s;
@@ -565,6 +601,16 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
       Py_RETURN_NONE;
     if (overlap(kn, kc) || overlap(kn, vc) || overlap(vn, kc) || overlap(vn, vc)) Py_RETURN_NONE;
     if (half && !(half_writable(kn, B, Hkv, Lq, E, half) && half_writable(vn, B, Hkv, Lq, Ev, half))) Py_RETURN_NONE;
+    if (half == 3) {
+      auto writable = [](PyObject* o) {
+        return (py::detail::array_proxy(o)->flags & py::detail::npy_api::NPY_ARRAY_WRITEABLE_) != 0;
+      };
+      if (!writable(args[10]) || !writable(args[11])) Py_RETURN_NONE;
+      for (const View* x : {&kn, &vn})
+        for (const View* y : {&ks, &vs})
+          if (overlap(*x, *y)) Py_RETURN_NONE;
+      if (overlap(ks, vs) || overlap(ks, kc) || overlap(ks, vc) || overlap(vs, kc) || overlap(vs, vc)) Py_RETURN_NONE;
+    }
   }
   index_t Lk = 0;
   for (index_t b = 0; b < B; ++b) {
@@ -589,7 +635,7 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
   return guarded([&]() -> PyObject* {
     // Every check is done: only now is anything written.
     if (append) {
-      auto put = [&](const View& src, const View& dst, index_t n) {
+      auto put = [&](const View& src, const View& dst, const View& sc, index_t n) {
         for (index_t b = 0; b < B; ++b)
           for (index_t h = 0; h < Hkv; ++h)
             for (index_t j = 0; j < Lq; ++j) {
@@ -597,14 +643,17 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
               const index_t blk = paged ? table[b * tcols + pos / bsize] : b, row = paged ? pos % bsize : pos;
               char* to = dst.data + blk * dst.strides[0] + h * dst.strides[1] + row * dst.strides[2];
               const char* from = src.data + b * src.strides[0] + h * src.strides[1] + j * src.strides[2];
-              if (half)
+              if (half == 3)
+                quantize_row(reinterpret_cast<const float*>(from), n, to,
+                             sc.data + blk * sc.strides[0] + h * sc.strides[1] + row * sc.strides[2]);
+              else if (half)
                 to_half(reinterpret_cast<const float*>(from), n, half, to);
               else
                 std::memcpy(to, from, std::size_t(n) * std::size_t(src.itemsize));
             }
       };
-      put(kn, kc, E);
-      put(vn, vc, Ev);
+      put(kn, kc, ks, E);
+      put(vn, vc, vs, Ev);
     }
     const Py_ssize_t dims[4] = {Py_ssize_t(B), Py_ssize_t(Hq), Py_ssize_t(Lq), Py_ssize_t(Ev)};
     py::object out = new_array(q.typenum, 4, dims);
@@ -621,9 +670,9 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
           reinterpret_cast<double*>(l)[i] = -std::numeric_limits<double>::infinity();
       }
     }
-    thread_local std::vector<index_t> qoff, koff, voff, ooff, lseoff, kv_lens, bt_off;
+    thread_local std::vector<index_t> qoff, koff, voff, ooff, lseoff, kv_lens, bt_off, ksoff, vsoff;
     const std::size_t bh = std::size_t(B * Hq);
-    for (auto* v : {&qoff, &koff, &voff, &ooff, &lseoff, &kv_lens, &bt_off}) v->resize(bh);
+    for (auto* v : {&qoff, &koff, &voff, &ooff, &lseoff, &kv_lens, &bt_off, &ksoff, &vsoff}) v->resize(bh);
     for (index_t b = 0, i = 0; b < B; ++b)
       for (index_t h = 0; h < Hq; ++h, ++i) {
         qoff[i] = b * elems(q, 0) + h * elems(q, 1);
@@ -633,7 +682,12 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
         lseoff[i] = i * Lq;
         kv_lens[i] = lens_data[b * lens_s] + (append ? Lq : 0);
         bt_off[i] = b * tcols;
+        if (half == 3) {
+          ksoff[i] = (paged ? 0 : b * elems(ks, 0)) + (h / group) * elems(ks, 1);
+          vsoff[i] = (paged ? 0 : b * elems(vs, 0)) + (h / group) * elems(vs, 1);
+        }
       }
+    const bool i8 = half == 3;
     // clang-format off: one line per pointer and its strides, as in api.h
     pyattn::AttnArgs a{index_t(bh), Lq, Lk, E, Ev, group,
                        q.data, qoff.data(), elems(q, 2), kc.data, koff.data(), elems(kc, 2),
@@ -648,8 +702,10 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
                        nullptr,
                        table, paged ? bt_off.data() : nullptr, paged ? bsize : 0,
                        elems(kc, 0), elems(vc, 0),  // k_ps, v_ps: between blocks (paged; unused otherwise)
-                       nullptr, nullptr, 0, 0,
-                       nullptr, nullptr, 0, 0,
+                       i8 ? reinterpret_cast<const float*>(ks.data) : nullptr, i8 ? ksoff.data() : nullptr,
+                       i8 ? elems(ks, 2) : 0, i8 ? elems(ks, 0) : 0,
+                       i8 ? reinterpret_cast<const float*>(vs.data) : nullptr, i8 ? vsoff.data() : nullptr,
+                       i8 ? elems(vs, 2) : 0, i8 ? elems(vs, 0) : 0,
                        pyattn::get_num_threads()};
     // clang-format on
     return attend(a, q.typenum, out, lse, want_lse, Lk > 0, half);
@@ -658,9 +714,11 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
 
 PyMethodDef kvcache_def = {
     "kvcache_small", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&kvcache)), METH_FASTCALL,
-    "kvcache_small(query, k_cache, v_cache, cache_lens, k_new, v_new, block_table, scale, is_causal, return_lse) -> "
+    "kvcache_small(query, k_cache, v_cache, cache_lens, k_new, v_new, block_table, scale, is_causal, return_lse, "
+    "k_scale, v_scale) -> "
     "object\n\n"
-    "kvcache_attention's common case in C (a float cache of the query's dtype, or a float16 / bfloat16 one with a "
+    "kvcache_attention's common case in C (a float cache of the query's dtype, or a float16 / bfloat16 / int8 one with "
+    "a "
     "float32 query, contiguous or paged, no variant, a new output): the output (and lse) after the append, or None, "
     "having written nothing, when the call is not that "
     "case."};

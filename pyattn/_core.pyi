@@ -142,6 +142,8 @@ def kvcache_small(
     scale: object,
     is_causal: object,
     return_lse: object,
+    k_scale: object,
+    v_scale: object,
 ) -> object: ...
 def sdpa_small(
     query: object,

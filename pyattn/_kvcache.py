@@ -319,10 +319,13 @@ def kvcache_attention(
     The score variants (window, softcap, alibi_slopes, sinks) are those of
     scaled_dot_product_attention. Returns ``(B, Hq, Lq, Ev)`` (and the lse ``(B, Hq, Lq)``).
     """
-    if k_scale is None and v_scale is None and out is None and _plain(window, softcap, alibi_slopes, sinks):
+    if out is None and _plain(window, softcap, alibi_slopes, sinks):
         # The everyday call in C (see _core.kvcache_small): None, with nothing written, for
         # anything else, which _cache_attention defines and checks.
-        r = _kvcache_small(query, k_cache, v_cache, cache_lens, k_new, v_new, block_table, scale, is_causal, return_lse)
+        r = _kvcache_small(
+            query, k_cache, v_cache, cache_lens, k_new, v_new, block_table, scale, is_causal, return_lse,
+            k_scale, v_scale,
+        )  # fmt: skip
         if r is not None:
             return r
     return _cache_attention(
@@ -455,11 +458,11 @@ class KVCache:
         try:
             res = None
             get = variants.get
-            if new_lens is None and self.k_scale is None and get("out") is None:
+            if new_lens is None and get("out") is None:
                 if _plain(get("window"), get("softcap"), get("alibi_slopes"), get("sinks")):
                     res = _kvcache_small(
                         query, self.k, self.v, self._lens, k_new, v_new, self.block_table, get("scale"),
-                        get("is_causal", True), get("return_lse", False),
+                        get("is_causal", True), get("return_lse", False), self.k_scale, self.v_scale,
                     )  # fmt: skip
             if res is None:
                 res = _cache_attention(

@@ -389,15 +389,20 @@ def _half_types():
     return [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
 
 
-def _general_cache(q, kc, vc, lens, kn, vn, table, *, scale=None, is_causal=True, return_lse=False):
+def _scales(rng, kc, vc):
+    """Positive float32 scales for an int8 cache pair (laid out like it without the feature axis)."""
+    return [rng.uniform(0.001, 0.05, c.shape[:3]).astype(np.float32) for c in (kc, vc)]
+
+
+def _general_cache(q, kc, vc, lens, kn, vn, table, *, scale=None, is_causal=True, return_lse=False, ks=None, vs=None):
     return _kvcache._cache_attention(
-        q, kc, vc, lens, k_new=kn, v_new=vn, new_lens=None, block_table=table, k_scale=None, v_scale=None,
+        q, kc, vc, lens, k_new=kn, v_new=vn, new_lens=None, block_table=table, k_scale=ks, v_scale=vs,
         scale=scale, is_causal=is_causal, window=None, softcap=None, alibi_slopes=None, sinks=None,
         return_lse=return_lse, out=None,
     )  # fmt: skip
 
 
-_CACHE_TYPES = [(np.float32, None), (np.float64, None)] + [(np.float32, h) for h in _half_types()]
+_CACHE_TYPES = [(np.float32, None), (np.float64, None)] + [(np.float32, h) for h in _half_types() + [np.int8]]
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
@@ -406,18 +411,22 @@ _CACHE_TYPES = [(np.float32, None), (np.float64, None)] + [(np.float32, h) for h
 @pytest.mark.parametrize("Lq, Hq, Hkv, causal", [(1, 8, 2, True), (3, 4, 4, True), (5, 6, 3, False), (1, 1, 1, True)])
 def test_kvcache_bitwise_equal_to_the_general_path(isa, paged, append, dtype, cdt, Lq, Hq, Hkv, causal):
     """Float caches of the query's type, and float16 / bfloat16 caches (written by rounding to
-    nearest even, as NumPy casts) with a float32 query."""
+    nearest even, as NumPy casts) and int8 ones (quantised as _kvcache._quantize does, with their
+    scales) with a float32 query."""
     rng = np.random.default_rng(Lq * 100 + Hq + Hkv)
     case = _cache_case(rng, Hq=Hq, Hkv=Hkv, Lq=Lq, paged=paged, dtype=dtype, cdt=cdt)
     q, kc, vc, lens, kn, vn, table = case
+    ks, vs = _scales(rng, kc, vc) if cdt == np.int8 else (None, None)
     if not append:
         kn = vn = None
-    kc2, vc2 = kc.copy(), vc.copy()
-    got = _core.kvcache_small(q, kc, vc, lens, kn, vn, table, None, causal, True)
+    before = [None if a is None else a.copy() for a in (kc, vc, ks, vs)]
+    got = _core.kvcache_small(q, kc, vc, lens, kn, vn, table, None, causal, True, ks, vs)
     assert got is not None, "the fast path declined an everyday call"
-    want = _general_cache(q, kc2, vc2, lens, kn, vn, table, is_causal=causal, return_lse=True)
-    np.testing.assert_array_equal(kc.view(np.uint8), kc2.view(np.uint8))  # the same bytes in the same places
-    np.testing.assert_array_equal(vc.view(np.uint8), vc2.view(np.uint8))
+    kc2, vc2, ks2, vs2 = before
+    want = _general_cache(q, kc2, vc2, lens, kn, vn, table, is_causal=causal, return_lse=True, ks=ks2, vs=vs2)
+    for a, b in ((kc, kc2), (vc, vc2), (ks, ks2), (vs, vs2)):  # the same bytes in the same places
+        if a is not None:
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and g.shape == w.shape
         np.testing.assert_array_equal(g, w)
@@ -455,6 +464,7 @@ def _kvcache_decline_cases():
     ro = kc.copy()
     ro.flags.writeable = False
     base = dict(query=q, k_cache=kc, v_cache=vc, cache_lens=lens, k_new=kn, v_new=vn, block_table=None)
+    base |= dict(k_scale=None, v_scale=None)
     over = lens.copy()
     over[1] = 40
     bad_table = ptable.copy()
@@ -463,8 +473,22 @@ def _kvcache_decline_cases():
     nan_new, big_new = kn.copy(), kn.copy()
     nan_new[0, 0, 0, 3] = np.nan
     big_new[1, 1, 0, 0] = -65504.0  # representable, but the fast path leaves the edge to NumPy
+    i8 = dict(base, k_cache=kc.astype(np.int8), v_cache=vc.astype(np.int8))
+    ks, vs = _scales(rng, kc, vc)
+    ro_scales = ks.copy()
+    ro_scales.flags.writeable = False
+    inf_new = kn.copy()
+    inf_new[2, 0, 0, 5] = np.inf
     cases = {
-        "int8 cache": dict(base, k_cache=kc.astype(np.int8), v_cache=vc.astype(np.int8)),
+        "int8 cache without scales": i8,
+        "int8 cache, one scale": dict(i8, k_scale=ks),
+        "int8 cache, float64 scales": dict(i8, k_scale=ks.astype(np.float64), v_scale=vs),
+        "int8 cache, scales of another shape": dict(i8, k_scale=ks[:, :, :-1], v_scale=vs),
+        "int8 cache, read-only scales": dict(i8, k_scale=ro_scales, v_scale=vs),
+        "int8 cache, one scales array for both": dict(i8, k_scale=ks, v_scale=ks),
+        "NaN into an int8 cache": dict(i8, k_new=nan_new, k_scale=ks, v_scale=vs),
+        "inf into an int8 cache": dict(i8, k_new=inf_new, k_scale=ks, v_scale=vs),
+        "scales with a float cache": dict(base, k_scale=ks, v_scale=vs),
         "float16 cache, float64 query": dict(h16, query=q.astype(np.float64)),
         "float16 cache, float16 new tokens": dict(h16, k_new=kn.astype(np.float16), v_new=vn.astype(np.float16)),
         "float16 and float32 caches": dict(h16, v_cache=vc),
@@ -498,11 +522,15 @@ def test_kvcache_declines_and_writes_nothing(name):
     """Every other call returns None before writing anything (kvcache_attention then runs its
     general path, whose results and errors tests/test_kvcache.py covers)."""
     kw = _kvcache_decline_cases()[name]
-    caches = [kw["k_cache"].copy(), kw["v_cache"].copy()]
-    r = _core.kvcache_small(*kw.values(), None, True, False)
+    held = [kw[n] for n in ("k_cache", "v_cache", "k_scale", "v_scale") if kw[n] is not None]
+    before = [a.copy() for a in held]
+    r = _core.kvcache_small(
+        kw["query"], kw["k_cache"], kw["v_cache"], kw["cache_lens"], kw["k_new"], kw["v_new"], kw["block_table"],
+        None, True, False, kw["k_scale"], kw["v_scale"],
+    )  # fmt: skip
     assert r is None
-    np.testing.assert_array_equal(kw["k_cache"], caches[0])
-    np.testing.assert_array_equal(kw["v_cache"], caches[1])
+    for a, b in zip(held, before):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
 def test_kvcache_other_keywords_reach_the_general_path(monkeypatch):
@@ -518,7 +546,7 @@ def test_kvcache_other_keywords_reach_the_general_path(monkeypatch):
 
 
 def test_kvcache_small_argument_count():
-    with pytest.raises(TypeError, match="10 positional"):
+    with pytest.raises(TypeError, match="12 positional"):
         _core.kvcache_small(1, 2)
 
 
@@ -541,7 +569,8 @@ def test_half_cache_writes_round_as_numpy_casts(cdt):
     L = new.shape[2]
     kc, vc = np.zeros((1, 1, L, E), cdt), np.zeros((1, 1, L, E), cdt)
     q = np.zeros((1, 1, L, E), np.float32)
-    assert _core.kvcache_small(q, kc, vc, np.zeros(1, np.int64), new, new, None, None, True, False) is not None
+    r = _core.kvcache_small(q, kc, vc, np.zeros(1, np.int64), new, new, None, None, True, False, None, None)
+    assert r is not None
     np.testing.assert_array_equal(kc.view(np.uint16), new.astype(cdt).view(np.uint16))
     np.testing.assert_array_equal(vc.view(np.uint16), new.astype(cdt).view(np.uint16))
 
