@@ -452,6 +452,14 @@ bool overlap(const View& a, const View& b) {
   const auto x = extent(a), y = extent(b);
   return x.first < y.second && y.first < x.second;
 }
+// Whether the n elements of `size` bytes, `stride` elements apart from p, touch what `a` spans.
+bool overlap(const View& a, const void* p, index_t n, index_t stride, std::size_t size) {
+  const char* lo = static_cast<const char*>(p);
+  const char* hi = lo + std::size_t(size);
+  (stride < 0 ? lo : hi) += (n - 1) * stride * index_t(size);
+  const auto x = extent(a);
+  return n > 0 && x.first < hi && lo < x.second;
+}
 
 // A 1-D int64 vector of n entries, or a 2-D C-contiguous int32 table of n rows.
 bool int64_vector(PyObject* o, index_t n, const std::int64_t*& data, index_t& stride) {
@@ -535,16 +543,21 @@ bool scales_of(PyObject* o, const View& cache, View& v) {
 }
 
 // Whether every value of the (B, H, L, n) float32 view `v` converts as f16_bits / bf16_bits
-// (half 1 / 2) or quantize_row (3) do.
+// (half 1 / 2) or quantize_row (3) do. int8 also declines a row whose scale max|x| / 127 would
+// be subnormal or zero (max|x| < 1.5e-36): NumPy's division by it warns or raises there.
 bool half_writable(const View& v, index_t B, index_t H, index_t L, index_t n, int half) {
   for (index_t b = 0; b < B; ++b)
     for (index_t h = 0; h < H; ++h)
       for (index_t j = 0; j < L; ++j) {
         const float* r =
             reinterpret_cast<const float*>(v.data + b * v.strides[0] + h * v.strides[1] + j * v.strides[2]);
-        for (index_t i = 0; i < n; ++i)
+        float amax = 0.0f;
+        for (index_t i = 0; i < n; ++i) {
           if (half == 1 ? !(std::fabs(r[i]) < 65504.0f) : half == 2 ? std::isnan(r[i]) : !std::isfinite(r[i]))
             return false;
+          amax = std::fmax(amax, std::fabs(r[i]));
+        }
+        if (half == 3 && amax > 0.0f && amax / 127.0f < std::numeric_limits<float>::min()) return false;
       }
   return true;
 }
@@ -611,6 +624,10 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
           if (overlap(*x, *y)) Py_RETURN_NONE;
       if (overlap(ks, vs) || overlap(ks, kc) || overlap(ks, vc) || overlap(vs, kc) || overlap(vs, vc)) Py_RETURN_NONE;
     }
+    // The lengths and the table are read while the tokens are written: not inside what is written.
+    for (const View* w : {&kc, &vc, &ks, &vs})
+      if (w->data && (overlap(*w, lens_data, B, lens_s, 8) || (paged && overlap(*w, table, B * tcols, 1, 4))))
+        Py_RETURN_NONE;
   }
   index_t Lk = 0;
   for (index_t b = 0; b < B; ++b) {

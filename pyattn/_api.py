@@ -130,7 +130,8 @@ def scaled_dot_product_attention(
             raise ValueError(f"{name} must have at least 2 dimensions (..., L, E); got shape {a.shape}")
     dtype = compute_dtype(q, k, v)
     # float16 / bfloat16 keys and values with a float32 computation are read as they are
-    kv_type = _KV_TYPES.get(k.dtype.name, 0) if dtype == F32 and k.dtype == v.dtype else 0
+    # (in the machine's byte order: others are converted with the float32 copy)
+    kv_type = _KV_TYPES.get(k.dtype.name, 0) if dtype == F32 and k.dtype == v.dtype and k.dtype.isnative else 0
     Lq, E = q.shape[-2:]
     Lk, Ek = k.shape[-2:]
     Lv, Ev = v.shape[-2:]

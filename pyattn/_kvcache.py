@@ -153,6 +153,8 @@ def _cache_attention(
     cdt = k_cache.dtype
     if cdt.name not in ("float32", "float64", "float16", "bfloat16", "int8"):
         raise TypeError(f"k_cache must be float32, float64, float16, bfloat16 or int8; got {cdt}")
+    if not cdt.isnative:  # written and read in place: never converted
+        raise TypeError(f"k_cache must be in the machine's byte order; got {cdt.str}")
     dtype = F64 if (cdt == F64 and q.dtype == F64) else F32
     kv_type = _CACHE_KV_TYPES.get(cdt.name, 0)
     if cdt == F64 and dtype == F32:

@@ -942,6 +942,18 @@ def test_kvcache_overflow_with_max_len(layout, rng):
     assert np.array_equal(cache.lens, [20, 7])
 
 
+@pytest.mark.parametrize("cdt", ["float32", "float16", "bfloat16"])
+def test_cache_in_the_other_byte_order_is_refused(cdt, rng):
+    """A cache is written and read in place, so one in the other byte order is an error, not
+    bytes read the wrong way round."""
+    dt = cache_dtype(cdt).newbyteorder("S")
+    kc, vc = np.zeros((1, 2, 8, 4), dt), np.zeros((1, 2, 8, 4), dt)
+    q, kn = randn(rng, (1, 2, 1, 4), np.float32), randn(rng, (1, 2, 1, 4), np.float32)
+    with pytest.raises(TypeError, match="k_cache must be in the machine's byte order"):
+        pyattn.kvcache_attention(q, kc, vc, np.zeros(1, np.int64), k_new=kn, v_new=kn)
+    assert not kc.any() and not vc.any()
+
+
 def test_kvcache_constructor_errors():
     """KVCache refuses a missing size, an unsupported dtype and non-positive sizes."""
     with pytest.raises(ValueError, match="max_len"):

@@ -479,6 +479,18 @@ def _kvcache_decline_cases():
     ro_scales.flags.writeable = False
     inf_new = kn.copy()
     inf_new[2, 0, 0, 5] = np.inf
+    tiny_new = kn.copy()
+    tiny_new[1, 0, 0] = 1e-40  # max|x| / 127 is subnormal: NumPy's division decides (it may warn)
+    # lengths and a block table that live inside memory the append writes (read while writing)
+    ks_lens = ks.copy()
+    lens_in_scales = ks_lens.reshape(-1)[: 2 * len(lens)].view(np.int64)
+    lens_in_scales[:] = lens
+    kc_lens = kc.copy()
+    lens_in_cache = kc_lens.reshape(-1)[: 2 * len(lens)].view(np.int64)
+    lens_in_cache[:] = lens
+    pkc_t = pkc.copy()
+    table_in_cache = pkc_t.reshape(-1)[: ptable.size].view(np.int32).reshape(ptable.shape)
+    table_in_cache[:] = ptable
     cases = {
         "int8 cache without scales": i8,
         "int8 cache, one scale": dict(i8, k_scale=ks),
@@ -489,6 +501,10 @@ def _kvcache_decline_cases():
         "NaN into an int8 cache": dict(i8, k_new=nan_new, k_scale=ks, v_scale=vs),
         "inf into an int8 cache": dict(i8, k_new=inf_new, k_scale=ks, v_scale=vs),
         "scales with a float cache": dict(base, k_scale=ks, v_scale=vs),
+        "a row too small to scale into an int8 cache": dict(i8, k_new=tiny_new, k_scale=ks, v_scale=vs),
+        "lens inside the scales": dict(i8, cache_lens=lens_in_scales, k_scale=ks_lens, v_scale=vs),
+        "lens inside the cache": dict(base, k_cache=kc_lens, cache_lens=lens_in_cache),
+        "block table inside the cache": dict(base, k_cache=pkc_t, v_cache=pvc, block_table=table_in_cache),
         "float16 cache, float64 query": dict(h16, query=q.astype(np.float64)),
         "float16 cache, float16 new tokens": dict(h16, k_new=kn.astype(np.float16), v_new=vn.astype(np.float16)),
         "float16 and float32 caches": dict(h16, v_cache=vc),
