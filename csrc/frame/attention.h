@@ -922,10 +922,11 @@ struct Attention {
     team(
         nt, [&] { return carve_rows(static_cast<T*>(scratch(0, bytes))); },
         [&](Rows& r, const Team& tm) {
-          // Equal tasks in equal runs: each thread takes the same heads call after call, so a
-          // decode step whose K/V fit its L2 finds them there (GPT-2 c128, B1 and B4: 0.93x the
-          // time of taking them on demand). Uneven ones (kv_lens, windows) on demand.
-          tm.for_each(ntasks, !even, [&](index_t t) { task(t, r); });
+          // One task per group, all of one length: equal runs, so each thread takes the same
+          // heads call after call and a decode step whose K/V fit its L2 finds them there (GPT-2
+          // c128, B1 and B4: 0.93x the time of taking them on demand). Groups cut into chunks
+          // (the last one shorter) or of uneven lengths (kv_lens, windows): on demand.
+          tm.for_each(ntasks, !(even && nchunk == 1), [&](index_t t) { task(t, r); });
           if (parts) tm.for_each(ng, false, [&](index_t g) { merge(g, r.acc); });
         });
   }
