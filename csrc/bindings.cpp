@@ -121,7 +121,7 @@ struct View {
   int nd, typenum;
   Py_ssize_t itemsize;
   const Py_ssize_t *shape, *strides;
-  int half;  // the K/V kind the float32 kernels read: 1 float16, 2 bfloat16 (half_kind), 3 int8; 0 float32/64
+  int kv;  // K/V the float32 kernels read (attention_lowp[kv - 1]): 1 float16, 2 bfloat16, 3 int8
 };
 
 constexpr int kInt8 = 1, kFloat16 = 23, kFloat32 = 11, kFloat64 = 12;  // NPY_BYTE, NPY_HALF, NPY_FLOAT, NPY_DOUBLE
@@ -146,9 +146,9 @@ int half_kind(PyObject* descr) {
   return 2;
 }
 
-// A plain ndarray of native float32/float64 (or, with `half`, float16/bfloat16: v.half says
-// which), aligned, strides in whole elements, unit feature stride, at least `min_nd` axes,
-// nothing empty.
+// A plain ndarray of native float32/float64 (or, with `half`, float16/bfloat16, and with `int8`,
+// int8: v.kv says which), aligned, strides in whole elements, unit feature stride, at least
+// `min_nd` axes, nothing empty.
 bool view_of(PyObject* o, int min_nd, View& v, bool half = false, bool int8 = false) {
   const auto& api = py::detail::npy_api::get();
   if (Py_TYPE(o) != api.PyArray_Type_) return false;
@@ -201,15 +201,15 @@ py::object new_array(int typenum, int nd, const Py_ssize_t* dims) {
 }
 void* data_of(const py::object& a) { return py::detail::array_proxy(a.ptr())->data; }
 
-// Runs the float32 or float64 attention kernel (float32 on float16 / bfloat16 K/V when `half` is
-// 1 / 2) on `a` without the GIL (unless `run` is false: no key to read) and returns out, or
+// Runs the float32 or float64 attention kernel (float32 on float16 / bfloat16 / int8 K/V when `kv`
+// is 1 / 2 / 3) on `a` without the GIL (unless `run` is false: no key to read) and returns out, or
 // (out, lse).
 PyObject* attend(const pyattn::AttnArgs& a, int typenum, py::object& out, const py::object& lse, bool want_lse,
-                 bool run = true, int half = 0) {
+                 bool run = true, int kv = 0) {
   if (run) {
     const pyattn::IsaTable& isa = pyattn::active_isa();
     py::gil_scoped_release nogil;
-    (half ? isa.attention_lowp[half - 1] : isa.attention[typenum == kFloat32 ? 0 : 1])(a);
+    (kv ? isa.attention_lowp[kv - 1] : isa.attention[typenum == kFloat32 ? 0 : 1])(a);
   }
   if (!want_lse) return out.release().ptr();
   return PyTuple_Pack(2, out.ptr(), lse.ptr());
@@ -350,7 +350,7 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   if (!view_of(args[0], min_nd, q) || !view_of(args[1], min_nd, k, true) || !view_of(args[2], min_nd, v, true))
     Py_RETURN_NONE;
   // K and V of the query's type, or both float16 / both bfloat16 with a float32 query
-  const bool same = k.half ? v.half == k.half && q.typenum == kFloat32 : k.typenum == q.typenum && !v.half;
+  const bool same = k.kv ? v.kv == k.kv && q.typenum == kFloat32 : k.typenum == q.typenum && !v.kv;
   if (!same || v.typenum != k.typenum || k.nd != q.nd || v.nd != q.nd) Py_RETURN_NONE;
   const int nd = q.nd, nlead = nd - 2, nouter = gqa ? nd - 3 : nlead;
   for (int i = 0; i < nouter; ++i)
@@ -438,7 +438,7 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
                        nullptr, nullptr, 0, 0,
                        pyattn::get_num_threads()};
     // clang-format on
-    return attend(a, q.typenum, out, lse, want_lse, true, k.half);
+    return attend(a, q.typenum, out, lse, want_lse, true, k.kv);
   });
 }
 
@@ -459,6 +459,11 @@ bool overlap(const View& a, const void* p, index_t n, index_t stride, std::size_
   (stride < 0 ? lo : hi) += (n - 1) * stride * index_t(size);
   const auto x = extent(a);
   return n > 0 && x.first < hi && lo < x.second;
+}
+
+// Whether NumPy lets the array o be written in place.
+bool writable(PyObject* o) {
+  return (py::detail::array_proxy(o)->flags & py::detail::npy_api::NPY_ARRAY_WRITEABLE_) != 0;
 }
 
 // A 1-D int64 vector of n entries, or a 2-D C-contiguous int32 table of n rows.
@@ -485,7 +490,7 @@ bool int32_table(PyObject* o, index_t rows, const std::int32_t*& data, index_t& 
 }
 
 // float32 to float16 bits, rounded to nearest even as NumPy casts, for finite |x| < 65504
-// (half_writable declines the rest: NumPy's overflow warning and NaN payloads stay its own).
+// (storable declines the rest: NumPy's overflow warning and NaN payloads stay its own).
 std::uint16_t f16_bits(float x) {
   std::uint32_t f;
   std::memcpy(&f, &x, 4);
@@ -507,10 +512,10 @@ std::uint16_t bf16_bits(float x) {
   std::memcpy(&f, &x, 4);
   return std::uint16_t((f + 0x7fffu + ((f >> 16) & 1u)) >> 16);
 }
-//   dst[i] = src[i] as float16 (half = 1) or bfloat16 (2) bits, i < n
-void to_half(const float* src, index_t n, int half, char* dst) {
+//   dst[i] = src[i] as float16 (kv = 1) or bfloat16 (2) bits, i < n
+void to_half(const float* src, index_t n, int kv, char* dst) {
   for (index_t i = 0; i < n; ++i) {
-    const std::uint16_t h = half == 1 ? f16_bits(src[i]) : bf16_bits(src[i]);
+    const std::uint16_t h = kv == 1 ? f16_bits(src[i]) : bf16_bits(src[i]);
     std::memcpy(dst + 2 * i, &h, 2);
   }
 }
@@ -543,9 +548,9 @@ bool scales_of(PyObject* o, const View& cache, View& v) {
 }
 
 // Whether every value of the (B, H, L, n) float32 view `v` converts as f16_bits / bf16_bits
-// (half 1 / 2) or quantize_row (3) do. int8 also declines a row whose scale max|x| / 127 would
+// (kv 1 / 2) or quantize_row (3) do. int8 also declines a row whose scale max|x| / 127 would
 // be subnormal or zero (max|x| < 1.5e-36): NumPy's division by it warns or raises there.
-bool half_writable(const View& v, index_t B, index_t H, index_t L, index_t n, int half) {
+bool storable(const View& v, index_t B, index_t H, index_t L, index_t n, int kv) {
   for (index_t b = 0; b < B; ++b)
     for (index_t h = 0; h < H; ++h)
       for (index_t j = 0; j < L; ++j) {
@@ -553,11 +558,10 @@ bool half_writable(const View& v, index_t B, index_t H, index_t L, index_t n, in
             reinterpret_cast<const float*>(v.data + b * v.strides[0] + h * v.strides[1] + j * v.strides[2]);
         float amax = 0.0f;
         for (index_t i = 0; i < n; ++i) {
-          if (half == 1 ? !(std::fabs(r[i]) < 65504.0f) : half == 2 ? std::isnan(r[i]) : !std::isfinite(r[i]))
-            return false;
+          if (kv == 1 ? !(std::fabs(r[i]) < 65504.0f) : kv == 2 ? std::isnan(r[i]) : !std::isfinite(r[i])) return false;
           amax = std::fmax(amax, std::fabs(r[i]));
         }
-        if (half == 3 && amax > 0.0f && amax / 127.0f < std::numeric_limits<float>::min()) return false;
+        if (kv == 3 && amax > 0.0f && amax / 127.0f < std::numeric_limits<float>::min()) return false;
       }
   return true;
 }
@@ -578,9 +582,9 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
   if (!view_of(args[0], 4, q) || !view_of(args[1], 4, kc, true, true) || !view_of(args[2], 4, vc, true, true))
     Py_RETURN_NONE;
   // a cache of the query's type, or a float16 / bfloat16 / int8 one with a float32 query
-  const int half = kc.half;
-  if (q.nd != 4 || kc.nd != 4 || vc.nd != 4 || vc.half != half || vc.typenum != kc.typenum ||
-      (half ? q.typenum != kFloat32 : kc.typenum != q.typenum))
+  const int kv = kc.kv;
+  if (q.nd != 4 || kc.nd != 4 || vc.nd != 4 || vc.kv != kv || vc.typenum != kc.typenum ||
+      (kv ? q.typenum != kFloat32 : kc.typenum != q.typenum))
     Py_RETURN_NONE;
   const bool append = args[4] != Py_None;
   if (append != (args[5] != Py_None)) Py_RETURN_NONE;
@@ -594,8 +598,8 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
   index_t tcols = 0;
   if (paged ? !int32_table(args[6], B, table, tcols) : kc.shape[0] != B) Py_RETURN_NONE;
   View ks{}, vs{};  // int8: float32 scales laid out like the cache without its feature axis
-  if (half == 3 ? !scales_of(args[10], kc, ks) || !scales_of(args[11], vc, vs)
-                : args[10] != Py_None || args[11] != Py_None)
+  if (kv == 3 ? !scales_of(args[10], kc, ks) || !scales_of(args[11], vc, vs)
+              : args[10] != Py_None || args[11] != Py_None)
     Py_RETURN_NONE;
   const index_t bsize = kc.shape[2], capacity = paged ? tcols * bsize : bsize;
   const std::int64_t* lens_data;
@@ -609,16 +613,11 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
     for (int i = 0; i < 4; ++i)
       if (kn.shape[i] != want_k[i] || vn.shape[i] != want_v[i]) Py_RETURN_NONE;
     if (kn.strides[3] != kn.itemsize || vn.strides[3] != vn.itemsize) Py_RETURN_NONE;
-    if (!(py::detail::array_proxy(args[1])->flags & py::detail::npy_api::NPY_ARRAY_WRITEABLE_) ||
-        !(py::detail::array_proxy(args[2])->flags & py::detail::npy_api::NPY_ARRAY_WRITEABLE_))
+    if (!writable(args[1]) || !writable(args[2]) || (kv == 3 && !(writable(args[10]) && writable(args[11]))))
       Py_RETURN_NONE;
     if (overlap(kn, kc) || overlap(kn, vc) || overlap(vn, kc) || overlap(vn, vc)) Py_RETURN_NONE;
-    if (half && !(half_writable(kn, B, Hkv, Lq, E, half) && half_writable(vn, B, Hkv, Lq, Ev, half))) Py_RETURN_NONE;
-    if (half == 3) {
-      auto writable = [](PyObject* o) {
-        return (py::detail::array_proxy(o)->flags & py::detail::npy_api::NPY_ARRAY_WRITEABLE_) != 0;
-      };
-      if (!writable(args[10]) || !writable(args[11])) Py_RETURN_NONE;
+    if (kv && !(storable(kn, B, Hkv, Lq, E, kv) && storable(vn, B, Hkv, Lq, Ev, kv))) Py_RETURN_NONE;
+    if (kv == 3) {
       for (const View* x : {&kn, &vn})
         for (const View* y : {&ks, &vs})
           if (overlap(*x, *y)) Py_RETURN_NONE;
@@ -660,11 +659,11 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
               const index_t blk = paged ? table[b * tcols + pos / bsize] : b, row = paged ? pos % bsize : pos;
               char* to = dst.data + blk * dst.strides[0] + h * dst.strides[1] + row * dst.strides[2];
               const char* from = src.data + b * src.strides[0] + h * src.strides[1] + j * src.strides[2];
-              if (half == 3)
+              if (kv == 3)
                 quantize_row(reinterpret_cast<const float*>(from), n, to,
                              sc.data + blk * sc.strides[0] + h * sc.strides[1] + row * sc.strides[2]);
-              else if (half)
-                to_half(reinterpret_cast<const float*>(from), n, half, to);
+              else if (kv)
+                to_half(reinterpret_cast<const float*>(from), n, kv, to);
               else
                 std::memcpy(to, from, std::size_t(n) * std::size_t(src.itemsize));
             }
@@ -699,12 +698,12 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
         lseoff[i] = i * Lq;
         kv_lens[i] = lens_data[b * lens_s] + (append ? Lq : 0);
         bt_off[i] = b * tcols;
-        if (half == 3) {
+        if (kv == 3) {
           ksoff[i] = (paged ? 0 : b * elems(ks, 0)) + (h / group) * elems(ks, 1);
           vsoff[i] = (paged ? 0 : b * elems(vs, 0)) + (h / group) * elems(vs, 1);
         }
       }
-    const bool i8 = half == 3;
+    const bool i8 = kv == 3;
     // clang-format off: one line per pointer and its strides, as in api.h
     pyattn::AttnArgs a{index_t(bh), Lq, Lk, E, Ev, group,
                        q.data, qoff.data(), elems(q, 2), kc.data, koff.data(), elems(kc, 2),
@@ -725,7 +724,7 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
                        i8 ? elems(vs, 2) : 0, i8 ? elems(vs, 0) : 0,
                        pyattn::get_num_threads()};
     // clang-format on
-    return attend(a, q.typenum, out, lse, want_lse, Lk > 0, half);
+    return attend(a, q.typenum, out, lse, want_lse, Lk > 0, kv);
   });
 }
 
