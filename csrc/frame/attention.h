@@ -732,6 +732,9 @@ struct Attention {
       // measured 1.10-1.15x slower on one thread, H32 Lk4096 D128; L / 4 keys of grouped rows
       // 1.24-1.55x, Hkv8 Lk32768 D128; the cause was not found), but an int8 cache, bound by
       // its conversions, takes the grouped rows L / 4 keys at a time (1.15x faster).
+      // The first and last branches look alike but stay apart: one branch for both (the same
+      // arithmetic, bit for bit) made the streamed key-by-key loop between them 1.06-1.09x slower
+      // (GPT-2 B4 c1024, three one-process A/Bs), this loop's known sensitivity to code layout.
       if (r.R == 1 && cached) {
         const KV* krows[DB];
         rows_at(kb0, a.k_rs, a.k_ps, *cur, k0, kb, krows);
