@@ -630,8 +630,9 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
   }
   index_t Lk = 0;
   for (index_t b = 0; b < B; ++b) {
-    const index_t n = lens_data[b * lens_s], keys = n + (append ? Lq : 0);
-    if (n < 0 || keys > capacity) Py_RETURN_NONE;
+    const index_t n = lens_data[b * lens_s];
+    if (n < 0 || n > capacity - (append ? Lq : 0)) Py_RETURN_NONE;  // (n + Lq could overflow)
+    const index_t keys = n + (append ? Lq : 0);
     Lk = keys > Lk ? keys : Lk;
     if (paged)
       for (index_t i = 0, need = (keys + bsize - 1) / bsize; i < need; ++i) {

@@ -34,6 +34,7 @@ from ._validate import (
     per_head,
     positive_int,
     same_layout,
+    scale_value,
     softcap_value,
     strided_ok,
     unit_last,
@@ -172,9 +173,7 @@ def scaled_dot_product_attention(
     out_shape = lead + (Lq, Ev)
     if out is not None:
         check_out(out, out_shape, dtype)
-    if scale is None:
-        scale = 1.0 / math.sqrt(E) if E > 0 else 1.0
-    scale = float(scale)
+    scale = scale_value(scale, E)
 
     mask_kind, m = 0, None
     if attn_mask is not None:

@@ -8,8 +8,6 @@ ever concatenated or gathered into a copy.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from . import _core
@@ -19,9 +17,12 @@ from ._validate import (
     check_out,
     compute_dtype,
     float_array,
+    int64_values,
     lead_offsets,
+    overlaps,
     per_head,
     positive_int,
+    scale_value,
     softcap_value,
     strided_offsets,
     unit_last,
@@ -39,23 +40,24 @@ def _plain(window, softcap, alibi_slopes, sinks) -> bool:
 
 
 def _int_vector(x, name: str, n: int) -> np.ndarray:
-    a = np.asarray(x)
-    if a.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be an integer array; got dtype {a.dtype}")
+    a = int64_values(x, name)
     if a.shape != (n,):
         raise ValueError(f"{name} has shape {a.shape}; expected ({n},)")
     if n and a.min() < 0:
         raise ValueError(f"{name} must be >= 0; got {a.min()}")
-    return a.astype(np.int64)
+    return a
 
 
 def _quantize(x: np.ndarray):
     """int8 values and float32 scales of x (..., D): symmetric absmax per row, x ~ q * scale."""
     x = np.asarray(x, np.float32)
     amax = np.max(np.abs(x), axis=-1) if x.shape[-1] else np.zeros(x.shape[:-1], np.float32)
-    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
-    q = np.clip(np.rint(x / scale[..., None]), -127, 127).astype(np.int8)
-    return q, scale
+    # A row holding NaN or inf cannot be stored in int8: it gets a NaN scale (and zeros), so it
+    # reads back as NaN and the NaN propagates as it would from a float cache.
+    scale = np.where(np.isfinite(amax), np.where(amax > 0, amax / 127.0, 1.0), np.nan).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        q = np.clip(np.rint(x / scale[..., None]), -127, 127)
+    return np.where(np.isnan(q), 0, q).astype(np.int8), scale
 
 
 def _elem(a: np.ndarray, axis: int) -> int:
@@ -73,9 +75,9 @@ class _Layout:
             raise ValueError(
                 f"{name} must be 4-D ((B, Hkv, Lmax, D) or (num_blocks, Hkv, block_size, D)); got {cache.shape}"
             )
-        if cache.shape[-1] > 1 and cache.strides[-1] != cache.itemsize:
+        if cache.size and cache.shape[-1] > 1 and cache.strides[-1] != cache.itemsize:
             raise ValueError(f"{name}: its last axis must be contiguous (written in place, never copied)")
-        if any(s % cache.itemsize for s in cache.strides):
+        if cache.size and any(s % cache.itemsize for s in cache.strides):
             raise ValueError(f"{name}: strides must be whole elements")
         self.rs = _elem(cache, 2)  # between the tokens of one (block or sequence, head)
         self.hs = _elem(cache, 1)
@@ -148,6 +150,10 @@ def _cache_attention(
     for c, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
         if not isinstance(c, np.ndarray):
             raise TypeError(f"{name} must be a numpy.ndarray (written in place); got {type(c).__name__}")
+        if c.ndim != 4:
+            raise ValueError(
+                f"{name} must be 4-D ((B, Hkv, Lmax, D) or (num_blocks, Hkv, block_size, D)); got {c.shape}"
+            )
     if k_cache.dtype != v_cache.dtype:
         raise TypeError(f"k_cache and v_cache must share a dtype; got {k_cache.dtype} and {v_cache.dtype}")
     cdt = k_cache.dtype
@@ -160,13 +166,15 @@ def _cache_attention(
     if cdt == F64 and dtype == F32:
         raise TypeError("a float64 cache needs a float64 query (float32 queries read float32/half/int8 caches)")
 
-    table = None
+    table = t = None
     if block_table is not None:
         t = np.asarray(block_table)
         if t.dtype.kind not in "iu":
             raise TypeError(f"block_table must be an integer array; got dtype {t.dtype}")
         if t.ndim != 2 or t.shape[0] != B:
             raise ValueError(f"block_table has shape {t.shape}; expected (B = {B}, max_blocks)")
+        # the entries a call reads are checked below in t's own type; entries past them are
+        # never read, so a wider type's cast of those does not matter
         table = np.ascontiguousarray(t, dtype=np.int32)
     kl = _Layout(k_cache, table, B, "k_cache")
     vl = _Layout(v_cache, table, B, "v_cache")
@@ -179,11 +187,19 @@ def _cache_attention(
         raise ValueError(f"query heads ({Hq}) must be a multiple of the cache's kv heads ({Hkv})")
     group = Hq // Hkv
     lens = _int_vector(cache_lens, "cache_lens", B)
+    if B and lens.max() > kl.capacity:  # before lens + counts, which could overflow
+        b = int(np.argmax(lens))
+        raise ValueError(
+            f"cache overflow: sequence {b} would hold {lens[b]} tokens; the cache holds {kl.capacity} per sequence"
+        )
 
+    ksl = vsl = None
     if kv_type == 3:
         for s, c, name in ((k_scale, k_cache, "k_scale"), (v_scale, v_cache, "v_scale")):
             if not isinstance(s, np.ndarray) or s.dtype != F32 or s.shape != c.shape[:3]:
                 raise ValueError(f"{name} must be a float32 array of shape {c.shape[:3]} for an int8 cache")
+        ksl = _Layout(k_scale, table, B, "k_scale")  # the scales are laid out like the cache without its last axis
+        vsl = _Layout(v_scale, table, B, "v_scale")
     elif k_scale is not None or v_scale is not None:
         raise ValueError("k_scale / v_scale are only for an int8 cache")
 
@@ -212,7 +228,7 @@ def _cache_attention(
     if table is not None and B:
         need = (keys + kl.block_size - 1) // kl.block_size
         used = np.arange(table.shape[1])[None, :] < need[:, None]
-        ids = table[used]
+        ids = t[used]
         if ids.size and (ids.min() < 0 or ids.max() >= k_cache.shape[0]):
             raise ValueError(f"block_table names a block outside [0, {k_cache.shape[0]}) for the tokens it must hold")
     win_left, win_right = window_sides(window)
@@ -222,20 +238,28 @@ def _cache_attention(
     sink = per_head(sinks, "sinks", lead, dtype)
     if out is not None:
         check_out(out, (B, Hq, Lq, Ev), dtype)
-    if scale is None:
-        scale = 1.0 / math.sqrt(E) if E > 0 else 1.0
+    scale = scale_value(scale, E)
+    if counts is not None:
+        written = [(k_cache, "k_cache"), (v_cache, "v_cache")]
+        if kv_type == 3:
+            written += [(k_scale, "k_scale"), (v_scale, "v_scale")]
+        for c, name in written:
+            _check_written(c, name)
 
     # Every check is done: only now is anything written.
     if counts is not None:
-        _check_written(k_cache, "k_cache")
-        _check_written(v_cache, "v_cache")
         _write(k_cache, k_scale if kv_type == 3 else None, table, kl, lens, kn, counts)
         _write(v_cache, v_scale if kv_type == 3 else None, table, vl, lens, vn, counts)
 
     ragged = counts is not None and new_lens is not None
     result = np.zeros((B, Hq, Lq, Ev), dtype) if (ragged or out is None) else None
     target = out if result is None else result
-    if target.strides[-1] != target.itemsize or any(s % target.itemsize for s in target.strides):
+    # an out laid out for the kernel and apart from every input, else a temporary copied in
+    if (
+        target.strides[-1] != target.itemsize
+        or any(s % target.itemsize for s in target.strides)
+        or (target is out and overlaps(out, q, k_cache, v_cache, k_scale, v_scale, table))
+    ):
         target = np.zeros((B, Hq, Lq, Ev), dtype)
     lse = np.full((B, Hq, Lq), -np.inf, dtype) if return_lse else None
     bh = B * Hq
@@ -249,9 +273,7 @@ def _cache_attention(
         koff, voff = kl.offsets(B, Hq, group), vl.offsets(B, Hq, group)
         lseoff = lead_offsets(lse, 2) if lse is not None else None
         bt_off = strided_offsets((B, Hq), (table.shape[1], 0)) if table is not None else None
-        if kv_type == 3:  # the scales are laid out like the cache without its last axis
-            ksl = _Layout(k_scale, table, B, "k_scale")
-            vsl = _Layout(v_scale, table, B, "v_scale")
+        if kv_type == 3:
             ksoff, ks = ksl.offsets(B, Hq, group), (ksl.rs, ksl.bs)
             vsoff, vs = vsl.offsets(B, Hq, group), (vsl.rs, vsl.bs)
         else:
@@ -268,7 +290,7 @@ def _cache_attention(
             0, 0,  # m_rs, m_cs
             lse, lseoff, 1,  # lse, lseoff, lse_s
             None, None, 0,  # weights, woff, w_rs
-            float(scale), bool(is_causal), True,  # scale, causal, bottom_right
+            scale, bool(is_causal), True,  # scale, causal, bottom_right
             cap, slopes, sink, win_left, win_right,  # softcap, alibi, sinks, win_left, win_right
             kv_lens, kv_type,  # kv_lens, kv_type
             q_lens, table, bt_off,  # q_lens, block_table, bt_off
@@ -392,6 +414,8 @@ class KVCache:
     def reset(self, rows=None):
         """Empty the given sequences (all when None); a paged cache frees their blocks for reuse."""
         idx = np.arange(self.batch) if rows is None else np.atleast_1d(np.asarray(rows))
+        if idx.size == 0:  # np.asarray([]) is float64: no rows, nothing to do
+            return
         if idx.dtype.kind not in "iu" or (idx.size and (idx.min() < -self.batch or idx.max() >= self.batch)):
             raise ValueError(f"rows must be sequence indices in [0, {self.batch}); got {rows!r}")
         if self.block_table is not None:
@@ -524,12 +548,16 @@ def varlen_attention(
         raise ValueError(f"key {k.shape} / value {v.shape} do not fit query {q.shape}: expected (total_k, Hkv, E|Ev)")
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
-    cq, ck = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
-    for c, name, total in ((cq, "cu_seqlens_q", Tq), (ck, "cu_seqlens_k", Tk)):
+    cu = []
+    for c, name, total in ((cu_seqlens_q, "cu_seqlens_q", Tq), (cu_seqlens_k, "cu_seqlens_k", Tk)):
+        c = np.asarray(c)
         if c.dtype.kind not in "iu" or c.ndim != 1 or c.size < 1:
             raise ValueError(f"{name} must be a 1-D integer array (B + 1,); got {c.dtype} {c.shape}")
+        c = int64_values(c, name)  # differences taken in int64: an unsigned or narrow type would wrap
         if c[0] != 0 or np.any(np.diff(c) < 0) or c[-1] != total:
             raise ValueError(f"{name} must start at 0, never decrease and end at {total}; got {c.tolist()}")
+        cu.append(c)
+    cq, ck = cu
     if cq.size != ck.size:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length; got {cq.size} and {ck.size}")
     B, group = cq.size - 1, Hq // Hkv
@@ -539,8 +567,7 @@ def varlen_attention(
     sink = per_head(sinks, "sinks", (Hq,), dtype)
     if out is not None:
         check_out(out, (Tq, Hq, Ev), dtype)
-    if scale is None:
-        scale = 1.0 / math.sqrt(E) if E > 0 else 1.0
+    scale = scale_value(scale, E)
     result = np.zeros((Tq, Hq, Ev), dtype)
     lse = np.full((Tq, Hq), -np.inf, dtype) if return_lse else None
     bh = B * Hq
@@ -565,7 +592,7 @@ def varlen_attention(
             0, 0,  # m_rs, m_cs
             lse, offs(lse[..., None], cq[:-1], hq) if lse is not None else None, Hq,  # lse, lseoff, lse_s
             None, None, 0,  # weights, woff, w_rs
-            float(scale), bool(is_causal), True,  # scale, causal, bottom_right
+            scale, bool(is_causal), True,  # scale, causal, bottom_right
             cap, tile(slopes), tile(sink), win_left, win_right,  # softcap, alibi, sinks, win_left, win_right
             np.repeat(kl, Hq), 0,  # kv_lens, kv_type
             np.repeat(ql, Hq), None, None, 0, 0, 0,  # q_lens, block_table, bt_off, block_size, k_ps, v_ps

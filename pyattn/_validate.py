@@ -8,6 +8,7 @@ broadcast axes read at stride 0 and never materialised.
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
@@ -109,6 +110,29 @@ def check_out(out, shape: tuple, dtype: np.dtype, name: str = "out") -> np.ndarr
     if not out.flags.writeable:
         raise ValueError(f"{name} is read-only")
     return out
+
+
+def scale_value(scale, E: int) -> float:
+    """The score scale as a Python float: ``1/sqrt(E)`` for None; a real number otherwise."""
+    if scale is None:
+        return 1.0 / math.sqrt(E) if E > 0 else 1.0
+    if isinstance(scale, (bool, np.bool_)) or np.ndim(scale) != 0:
+        raise TypeError(f"scale must be a real number; got {scale!r}")
+    try:
+        return float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"scale must be a real number; got {scale!r}") from None
+
+
+def int64_values(x, name: str) -> np.ndarray:
+    """An integer array as int64, refusing what int64 cannot hold (unsigned values past 2**63 - 1)
+    rather than letting the cast wrap them."""
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array; got dtype {a.dtype}")
+    if a.dtype.kind == "u" and a.size and a.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{name} holds {a.max()}, past the largest int64")
+    return a.astype(np.int64)
 
 
 def overlaps(out: np.ndarray, *inputs) -> bool:

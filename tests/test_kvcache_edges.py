@@ -1,0 +1,233 @@
+"""KV-cache inputs at the edges of their integer types, writes that must not half-happen, and
+outputs that overlap the inputs (found by an adversarial pass over the cache API).
+
+Each case failed before its fix: lengths near 2**63 or unsigned past it wrapped into writes out
+of bounds (a crash in the C path), unsigned or narrow cu_seqlens wrapped in their differences,
+int64 block ids past 2**31 were cut to int32 and named another block, read-only or oddly strided
+int8 scales and a bad ``scale`` were found only after the new tokens were written, an ``out``
+overlapping the query or the cache was written while still being read, a NaN written into an
+int8 cache vanished, and empty caches or ``reset([])`` were refused.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _helpers import randn
+
+import pyattn
+
+I64_MAX = np.iinfo(np.int64).max
+
+
+def rn(rng, shape):  # float32, so that the calls can take the C path
+    return randn(rng, shape, np.float32)
+
+
+def _caches(cdt, B=1, Hkv=1, L=8, D=4):
+    kc, vc = np.zeros((B, Hkv, L, D), cdt), np.zeros((B, Hkv, L, D), cdt)
+    scales = {}
+    if np.dtype(cdt) == np.int8:
+        scales = {"k_scale": np.zeros((B, Hkv, L), np.float32), "v_scale": np.zeros((B, Hkv, L), np.float32)}
+    return kc, vc, scales
+
+
+def _snapshot(*arrays):
+    return [a.copy() for a in arrays if a is not None]
+
+
+def _unchanged(before, *arrays):
+    return all(np.array_equal(b, a, equal_nan=True) for b, a in zip(before, [a for a in arrays if a is not None]))
+
+
+@pytest.mark.parametrize("lens", [np.array([I64_MAX]), np.array([I64_MAX - 1]), np.array([2**62])])
+@pytest.mark.parametrize("Lq", [1, 2])  # Lq 1 takes the C path, 2 with a window the Python one
+@pytest.mark.parametrize("paged", [False, True])
+def test_lengths_near_int64_max_raise_overflow(lens, Lq, paged, rng):
+    kc, vc, _ = _caches(np.float32, L=8)
+    table = None
+    if paged:
+        kc, vc = kc.reshape(2, 1, 4, 4), vc.reshape(2, 1, 4, 4)
+        table = np.array([[0, 1]], np.int32)
+    q, kn, vn = rn(rng, (1, 1, Lq, 4)), rn(rng, (1, 1, Lq, 4)), rn(rng, (1, 1, Lq, 4))
+    before = _snapshot(kc, vc)
+    variant = {"window": (None, None)} if Lq == 2 else {}
+    with pytest.raises(ValueError, match="cache overflow"):
+        pyattn.kvcache_attention(q, kc, vc, lens, k_new=kn, v_new=vn, block_table=table, **variant)
+    assert _unchanged(before, kc, vc)
+
+
+@pytest.mark.parametrize("big", [2**63, 2**64 - 1])
+def test_unsigned_lengths_past_int64_are_refused(big, rng):
+    kc, vc, _ = _caches(np.float32)
+    q, kn, vn = rn(rng, (1, 1, 1, 4)), rn(rng, (1, 1, 1, 4)), rn(rng, (1, 1, 1, 4))
+    before = _snapshot(kc, vc)
+    with pytest.raises(ValueError, match="cache_lens"):
+        pyattn.kvcache_attention(q, kc, vc, np.array([big], np.uint64), k_new=kn, v_new=vn)
+    assert _unchanged(before, kc, vc)
+    cache = pyattn.KVCache(1, 1, 4, max_len=8)
+    cache.attend(q, kn, vn)
+    with pytest.raises(ValueError, match="new_lens"):
+        cache.attend(q, kn, vn, new_lens=np.array([big], np.uint64))
+    assert cache.lens.tolist() == [1]
+
+
+def test_unsigned_lengths_within_range_are_taken(rng):
+    kc, vc, _ = _caches(np.float32)
+    q, kn, vn = rn(rng, (1, 1, 1, 4)), rn(rng, (1, 1, 1, 4)), rn(rng, (1, 1, 1, 4))
+    kc2, vc2 = kc.copy(), vc.copy()
+    a = pyattn.kvcache_attention(q, kc, vc, np.array([3], np.uint64), k_new=kn, v_new=vn)
+    b = pyattn.kvcache_attention(q, kc2, vc2, np.array([3], np.int64), k_new=kn, v_new=vn)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(kc, kc2)
+
+
+@pytest.mark.parametrize(
+    "cu",
+    [
+        np.array([0, 40, 3], np.uint64),  # decreasing: np.diff wraps in unsigned types
+        np.array([0, 40, 3], np.uint32),
+        np.array([0, 100, -100, 3], np.int8),  # np.diff wraps in int8: [100, 56, 103]
+        np.array([0, 2**63, 3], np.uint64),  # past int64
+    ],
+)
+def test_varlen_cu_seqlens_that_wrap_are_refused(cu, rng):
+    B = cu.size - 1
+    q, k = rn(rng, (3, 2, 8)), rn(rng, (3, 2, 8))
+    ok = np.minimum(np.arange(B + 1), 3)
+    ok[-1] = 3
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        pyattn.varlen_attention(q, k, k, cu, ok)
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        pyattn.varlen_attention(q, k, k, ok, cu)
+
+
+def test_varlen_unsigned_and_narrow_cu_seqlens_match_int64(rng):
+    q, k, v = rn(rng, (10, 2, 8)), rn(rng, (10, 2, 8)), rn(rng, (10, 2, 8))
+    want = pyattn.varlen_attention(q, k, v, np.array([0, 4, 10]), np.array([0, 4, 10]), is_causal=True)
+    for dt in (np.uint8, np.uint64, np.int8, np.int16):
+        cu = np.array([0, 4, 10], dt)
+        np.testing.assert_array_equal(pyattn.varlen_attention(q, k, v, cu, cu, is_causal=True), want)
+
+
+@pytest.mark.parametrize("bad", [2**32 + 1, 2**31, -(2**32) + 1])
+def test_block_ids_past_int32_are_refused_not_cut(bad, rng):
+    kc, vc = np.zeros((4, 1, 2, 4), np.float32), np.zeros((4, 1, 2, 4), np.float32)
+    table = np.array([[0, bad]], np.int64)  # the second block holds the new token (cache_lens 2)
+    q, kn, vn = rn(rng, (1, 1, 1, 4)), rn(rng, (1, 1, 1, 4)), rn(rng, (1, 1, 1, 4))
+    before = _snapshot(kc, vc)
+    with pytest.raises(ValueError, match="block_table"):
+        pyattn.kvcache_attention(q, kc, vc, np.array([2]), k_new=kn, v_new=vn, block_table=table)
+    assert _unchanged(before, kc, vc)
+
+
+def test_block_table_entries_past_the_tokens_are_not_read(rng):
+    kc, vc = rn(rng, (4, 1, 2, 4)), rn(rng, (4, 1, 2, 4))
+    q = rn(rng, (1, 1, 1, 4))
+    want = pyattn.kvcache_attention(q, kc, vc, np.array([3]), block_table=np.array([[2, 1, 0]], np.int32))
+    wide = np.array([[2, 1, 2**40]], np.int64)  # the third entry is past the 3 tokens held
+    np.testing.assert_array_equal(pyattn.kvcache_attention(q, kc, vc, np.array([3]), block_table=wide), want)
+
+
+@pytest.mark.parametrize("which", ["k_scale", "v_scale"])
+def test_read_only_int8_scales_leave_the_cache_unchanged(which, rng):
+    kc, vc, sc = _caches(np.int8)
+    sc[which].flags.writeable = False
+    q, kn, vn = rn(rng, (1, 1, 1, 4)), rn(rng, (1, 1, 1, 4)), rn(rng, (1, 1, 1, 4))
+    before = _snapshot(kc, vc, sc["k_scale"], sc["v_scale"])
+    with pytest.raises(ValueError, match=which):
+        pyattn.kvcache_attention(q, kc, vc, np.array([0]), k_new=kn, v_new=vn, **sc)
+    assert _unchanged(before, kc, vc, sc["k_scale"], sc["v_scale"])
+
+
+def test_int8_scales_with_odd_strides_leave_the_cache_unchanged(rng):
+    kc, vc, _ = _caches(np.int8)
+    ks = np.ndarray((1, 1, 8), np.float32, buffer=bytearray(64), strides=(40, 40, 5))  # 5 bytes: no whole float
+    vs = np.zeros((1, 1, 8), np.float32)
+    q, kn, vn = rn(rng, (1, 1, 1, 4)), rn(rng, (1, 1, 1, 4)), rn(rng, (1, 1, 1, 4))
+    before = _snapshot(kc, vc, ks, vs)
+    with pytest.raises(ValueError, match="k_scale"):
+        pyattn.kvcache_attention(q, kc, vc, np.array([0]), k_new=kn, v_new=vn, k_scale=ks, v_scale=vs)
+    assert _unchanged(before, kc, vc, ks, vs)
+
+
+@pytest.mark.parametrize("scale", ["x", np.ones(2), [1.0], True, None])
+@pytest.mark.parametrize("cdt", [np.float32, np.int8])
+def test_bad_scale_raises_before_the_write(scale, cdt, rng):
+    kc, vc, sc = _caches(cdt)
+    q, kn, vn = rn(rng, (1, 1, 1, 4)), rn(rng, (1, 1, 1, 4)), rn(rng, (1, 1, 1, 4))
+    if scale is None:  # a scale object that float() refuses
+        scale = object()
+    before = _snapshot(kc, vc, *sc.values())
+    with pytest.raises(TypeError, match="scale"):
+        pyattn.kvcache_attention(q, kc, vc, np.array([0]), k_new=kn, v_new=vn, scale=scale, **sc)
+    assert _unchanged(before, kc, vc, *sc.values())
+    with pytest.raises(TypeError, match="scale"):
+        pyattn.scaled_dot_product_attention(q, kn, vn, scale=scale)
+    with pytest.raises(TypeError, match="scale"):
+        pyattn.varlen_attention(q[0, 0][:, None], kn[0, 0][:, None], vn[0, 0][:, None], [0, 1], [0, 1], scale=scale)
+
+
+def test_numpy_scalar_scales_are_taken(rng):
+    q, k, v = rn(rng, (1, 1, 3, 4)), rn(rng, (1, 1, 5, 4)), rn(rng, (1, 1, 5, 4))
+    want = pyattn.scaled_dot_product_attention(q, k, v, scale=0.5)
+    for s in (np.float32(0.5), np.float64(0.5), np.array(0.5), 1 / 2):
+        np.testing.assert_array_equal(pyattn.scaled_dot_product_attention(q, k, v, scale=s), want)
+
+
+def test_out_overlapping_the_query_or_the_cache_is_safe(rng):
+    B, Hq, Hkv, Lq, E, L = 1, 8, 2, 16, 16, 128
+    kc, vc = rn(rng, (B, Hkv, L, E)), rn(rng, (B, Hkv, 512, E))
+    q = rn(rng, (B, Hq, Lq, E))
+    want = pyattn.kvcache_attention(q.copy(), kc, vc[:, :, :L].copy(), np.array([40]))
+    q2 = q.copy()
+    got = pyattn.kvcache_attention(q2, kc, vc[:, :, :L], np.array([40]), out=q2[:, ::-1])
+    np.testing.assert_array_equal(got, want)
+    kcb = np.zeros((B, Hkv, 512, E), np.float32)
+    kcb[:, :, :L] = kc
+    vc_in = vc.copy()
+    want = pyattn.kvcache_attention(q, kcb, vc_in, np.array([40]))
+    out = vc_in[0].reshape(8, 128, E)[None, :, :Lq]  # value rows, some of them among the keys read
+    got = pyattn.kvcache_attention(q, kcb, vc_in, np.array([40]), out=out)
+    assert got is out
+    np.testing.assert_allclose(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_int8_cache_keeps_a_nan_or_inf_row_as_nan(bad, rng):
+    kc, vc, sc = _caches(np.int8)
+    q = np.ones((1, 1, 1, 4), np.float32)
+    kn = np.ones((1, 1, 1, 4), np.float32)
+    vn = np.array([bad, 0.25, 0.5, 0.75], np.float32).reshape(1, 1, 1, 4)
+    out = pyattn.kvcache_attention(q, kc, vc, np.array([0]), k_new=kn, v_new=vn, **sc)
+    assert np.isnan(out).all()
+    assert np.isnan(sc["v_scale"][0, 0, 0]) and (vc[0, 0, 0] == 0).all()
+    assert sc["k_scale"][0, 0, 0] == np.float32(1 / 127)  # the finite row as before
+
+
+@pytest.mark.parametrize("shape", [(0, 1, 8, 4), (1, 1, 0, 4)])
+def test_empty_contiguous_caches_are_taken(shape, rng):
+    B = shape[0]
+    kc, vc = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+    out, lse = pyattn.kvcache_attention(
+        rn(rng, (B, 2, 1, 4)), kc, vc, np.zeros(B, np.int64), window=(None, None), return_lse=True
+    )
+    assert out.shape == (B, 2, 1, 4) and not out.any() and (lse == -np.inf).all()
+    out = pyattn.kvcache_attention(rn(rng, (B, 2, 1, 4)), kc, vc, np.zeros(B, np.int64))
+    assert out.shape == (B, 2, 1, 4) and not out.any()
+
+
+def test_three_dimensional_cache_raises_value_error(rng):
+    with pytest.raises(ValueError, match="k_cache must be 4-D"):
+        pyattn.kvcache_attention(rn(rng, (1, 1, 1, 4)), np.zeros((1, 8, 4), np.float32),
+                                 np.zeros((1, 8, 4), np.float32), np.array([0]))  # fmt: skip
+
+
+def test_kvcache_reset_of_no_rows(rng):
+    cache = pyattn.KVCache(2, 1, 4, block_size=2)
+    cache.attend(rn(rng, (2, 1, 1, 4)), rn(rng, (2, 1, 1, 4)), rn(rng, (2, 1, 1, 4)))
+    for rows in ([], (), np.array([], np.int64)):
+        cache.reset(rows)
+        assert cache.lens.tolist() == [1, 1]
+    with pytest.raises(ValueError, match="rows"):
+        cache.reset([0.5])
