@@ -380,6 +380,10 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   index_t win_left, win_right;
   double cap;
   if (!window_sides(args[8], win_left, win_right) || !softcap_of(args[9], cap)) Py_RETURN_NONE;
+  // held in log2 units in the query's type: a cap that overflows there is refused by the general path
+  const double type_max =
+      q.typenum == kFloat32 ? double(std::numeric_limits<float>::max()) : std::numeric_limits<double>::max();
+  if (cap > type_max / 1.4426950408889634) Py_RETURN_NONE;
   const void *slopes = nullptr, *sinks = nullptr;
   const index_t* kv_lens = nullptr;
   if (args[10] != Py_None || args[11] != Py_None || args[12] != Py_None) {

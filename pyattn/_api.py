@@ -143,7 +143,7 @@ def scaled_dot_product_attention(
     if causal_align not in _CAUSAL_ALIGNS:
         raise ValueError(f"causal_align must be 'top_left' or 'bottom_right'; got {causal_align!r}")
     win_left, win_right = window_sides(window)
-    cap = softcap_value(softcap)
+    cap = softcap_value(softcap, dtype)
 
     group = 1
     if enable_gqa:
@@ -203,7 +203,11 @@ def scaled_dot_product_attention(
                 lse[...] = -np.inf if sink is None else sink.reshape(lead + (1,))
         else:
             target = result
-            if result.strides[-1] != result.itemsize or not writable_in_place(result) or overlaps(result, q, k, v, m):
+            if (
+                result.strides[-1] != result.itemsize
+                or not writable_in_place(result)
+                or overlaps(result, q, k, v, m, slopes, sink, lens)
+            ):
                 target = np.empty(out_shape, dtype)
             kv_dtype = k.dtype if kv_type else dtype
             qb = unit_last(broadcast(cast(q, dtype), lead + (Lq, E)))

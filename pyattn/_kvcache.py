@@ -232,7 +232,7 @@ def _cache_attention(
         if ids.size and (ids.min() < 0 or ids.max() >= k_cache.shape[0]):
             raise ValueError(f"block_table names a block outside [0, {k_cache.shape[0]}) for the tokens it must hold")
     win_left, win_right = window_sides(window)
-    cap = softcap_value(softcap)
+    cap = softcap_value(softcap, dtype)
     lead = (B, Hq)
     slopes = per_head(alibi_slopes, "alibi_slopes", lead, dtype)
     sink = per_head(sinks, "sinks", lead, dtype)
@@ -258,7 +258,7 @@ def _cache_attention(
     if (
         target.strides[-1] != target.itemsize
         or any(s % target.itemsize for s in target.strides)
-        or (target is out and overlaps(out, q, k_cache, v_cache, k_scale, v_scale, table))
+        or (target is out and overlaps(out, q, k_cache, v_cache, k_scale, v_scale, table, slopes, sink))
     ):
         target = np.zeros((B, Hq, Lq, Ev), dtype)
     lse = np.full((B, Hq, Lq), -np.inf, dtype) if return_lse else None
@@ -562,7 +562,7 @@ def varlen_attention(
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length; got {cq.size} and {ck.size}")
     B, group = cq.size - 1, Hq // Hkv
     win_left, win_right = window_sides(window)
-    cap = softcap_value(softcap)
+    cap = softcap_value(softcap, dtype)
     slopes = per_head(alibi_slopes, "alibi_slopes", (Hq,), dtype)
     sink = per_head(sinks, "sinks", (Hq,), dtype)
     if out is not None:

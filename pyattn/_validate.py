@@ -190,15 +190,23 @@ def window_sides(window) -> tuple:
     return sides[0], sides[1]
 
 
-def softcap_value(softcap) -> float:
-    """``softcap`` as a float > 0, or 0.0 for None."""
+def softcap_value(softcap, dtype: np.dtype = F64) -> float:
+    """``softcap`` as a float > 0, or 0.0 for None. The kernels hold it in log2 units in the
+    computation's dtype, so a float32 call refuses a cap that would overflow there (inf * tanh(0)
+    would be NaN)."""
     if softcap is None:
         return 0.0
-    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.integer, np.floating)):
+    ok = isinstance(softcap, (int, float, np.integer, np.floating)) or (
+        isinstance(softcap, np.ndarray) and softcap.ndim == 0 and softcap.dtype.kind in "iuf"
+    )
+    if isinstance(softcap, (bool, np.bool_)) or not ok:
         raise TypeError(f"softcap must be a number > 0 or None; got {type(softcap).__name__}")
     c = float(softcap)
     if not (0.0 < c < float("inf")):
         raise ValueError(f"softcap must be a finite number > 0; got {softcap!r}")
+    limit = float(np.finfo(dtype).max) / math.log2(math.e)
+    if c > limit:
+        raise ValueError(f"softcap must be at most {limit:.4g} in a {np.dtype(dtype).name} computation; got {c!r}")
     return c
 
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from ._api import scaled_dot_product_attention as _sdpa
 from ._merge import merge_states_f64
-from ._validate import NO_LIMIT, window_sides
+from ._validate import NO_LIMIT, scale_value, window_sides
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -509,7 +509,7 @@ def scaled_dot_product_attention(
     _check_chunks(k_chunks, [("attn_mask", m)], n + 1, "Lk")
 
     p = _Piece(
-        scale=(1.0 / math.sqrt(E) if E > 0 else 1.0) if scale is None else float(scale),
+        scale=scale_value(scale, E),
         softcap=softcap, L=L, R=R, dtype=np.dtype(dtype), ev=Ev, group=group,
     )  # fmt: skip
     slopes = None if alibi_slopes is None else np.broadcast_to(np.asarray(alibi_slopes, _F64), lead)

@@ -158,8 +158,9 @@ def _softmax_rows(scores, axis=-1, sink=None):
     m_safe = np.where(np.isneginf(m), 0.0, m)  # all-masked row: exp(-inf - 0) = 0
     e = np.exp(scores - m_safe)
     s = np.sum(e, axis=axis, keepdims=True)
-    if sink is not None:
-        s = s + np.exp(sink - m_safe)
+    if sink is not None:  # a +inf sink takes all the mass (its term exp(inf - inf) read as the limit, 1)
+        with np.errstate(invalid="ignore"):
+            s = s + np.where(np.isposinf(sink) & np.isposinf(m), 1.0, np.exp(sink - m_safe))
     with np.errstate(divide="ignore", invalid="ignore"):
         weights = np.where(s > 0, e / np.where(s > 0, s, 1.0), 0.0)
         weights = np.where(np.isnan(s), np.nan, weights)  # NaN propagates
@@ -392,7 +393,8 @@ def multi_head_attention(
     Q = project(q_in, w_q, b_q)  # (B, Lq, H*D)
     K = project(k_in, w_k, b_k)  # (B, Lk, Hkv*D)
     V = project(v_in, w_v, b_v)  # (B, Lk, Hkv*Dv)
-    bsz, lq, lk = Q.shape[0], Q.shape[1], K.shape[1]
+    bsz = np.broadcast_shapes(Q.shape[:1], K.shape[:1], V.shape[:1])[0]  # a batch of 1 broadcasts
+    lq, lk = Q.shape[1], K.shape[1]
 
     def split_heads(x, heads, dim):  # (B, L, heads*dim) -> (B, heads, L, dim)
         return x.reshape(x.shape[0], x.shape[1], heads, dim).transpose(0, 2, 1, 3)

@@ -512,6 +512,9 @@ def test_errors_shapes_and_dtypes():
         pdask.scaled_dot_product_attention(q, q, q, alibi_slopes=np.ones(3))
     with pytest.raises(ValueError, match="kv_lens must be in"):
         pdask.scaled_dot_product_attention(q, q, q, kv_lens=np.array([17]))
+    for bad in ("a", 1j, True, np.ones(2)):  # the NumPy function's check and message
+        with pytest.raises(TypeError, match="scale must be a real number"):
+            pdask.scaled_dot_product_attention(q, q, q, scale=bad)
 
 
 def test_import_pyattn_without_dask():

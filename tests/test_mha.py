@@ -343,3 +343,14 @@ def test_module_float32_and_float64_inputs(rng):
     out64, _ = m(x32.astype(np.float64))
     assert out64.dtype in (np.float32, np.float64)
     assert_close(out64, out.astype(np.float64), tol=1e-5)
+
+
+def test_reference_broadcasts_a_batch_of_one(rng):
+    """A query batch of 1 against keys of batch B: pyattn broadcasts it, and so does the oracle
+    (it took the batch from the query alone and could not reshape the output)."""
+    x1, kv = randn(rng, (1, 7, 12)), randn(rng, (2, 9, 12))
+    w = [randn(rng, (12, 12)) for _ in range(4)]
+    want, _ = reference.multi_head_attention(x1, kv, kv, 4, *w)
+    got, _ = pyattn.multi_head_attention(x1, kv, kv, 4, *w)
+    assert want.shape == got.shape == (2, 7, 12)
+    assert_close(got, want, np.float64)

@@ -717,6 +717,7 @@ SINGLE = {
     "softcap_large": {"softcap": 30.0},
     "alibi": {"alibi_slopes": "heads"},
     "alibi_batched": {"alibi_slopes": "batch_heads"},
+    "alibi_negative": {"alibi_slopes": "negative"},  # bias growing with distance: what the block max assumes
     "sinks": {"sinks": "heads"},
     "sinks_batched": {"sinks": "batch_heads"},
     "kv_lens": {"kv_lens": "random"},
@@ -730,7 +731,9 @@ def resolve(rng, spec, B, Hq, Lq, Lk):
     for name, value in spec.items():
         if name == "alibi_slopes":
             s = alibi_slopes(Hq) * 2.0
-            kw[name] = s if value == "heads" else s * rng.uniform(0.5, 2.0, (B, 1))
+            if value == "negative":  # every other head's slope negative (down to -0.1: float32 scores
+                s = np.where(np.arange(Hq) % 2 == 0, -0.1 * s / s.max(), s)  # stay within 2e-5 of float64)
+            kw[name] = s if value in ("heads", "negative") else s * rng.uniform(0.5, 2.0, (B, 1))
         elif name == "sinks":
             kw[name] = rng.normal(0, 2, Hq if value == "heads" else (B, Hq))
         elif name == "kv_lens":
@@ -771,6 +774,22 @@ def test_sdpa_pairs(combo, mask_kind, causal, dtype, isa, rng):
         for name in combo:
             kw[name] = make_variant(rng, name, B, Hq, Lq, Lk)
         check_parity((q, k, v, mask), kw, dtype, what=f"{(B, Hq, Hkv, Lq, Lk)} {kw}")
+
+
+@dtype_param
+@pytest.mark.parametrize("slope", [-3.0, -13.0])
+def test_sdpa_steep_negative_alibi_stays_finite(slope, dtype, isa):
+    """A steep negative slope: scores grow by |slope| log2(e) per key away from the diagonal, so
+    each key block's largest bias is at its far end (it was taken at the near end: inf/NaN rows).
+    With v = 1 every output is 1, and the lse matches the reference to float precision."""
+    for Lq, Lk, kv_lens in ((50, 200, None), (3, 300, None), (64, 640, np.array([500]))):
+        q, k = np.zeros((1, 1, Lq, 8), dtype), np.zeros((1, 1, Lk, 8), dtype)
+        v = np.ones((1, 1, Lk, 4), dtype)
+        kw = dict(alibi_slopes=np.array([slope]), kv_lens=kv_lens, return_lse=True)
+        out, lse = pyattn.scaled_dot_product_attention(q, k, v, **kw)
+        _, want = reference.scaled_dot_product_attention(q, k, v, **kw)
+        np.testing.assert_allclose(out, 1.0, rtol=4 * np.finfo(dtype).eps)
+        np.testing.assert_allclose(lse, want, rtol=8 * np.finfo(dtype).eps)
 
 
 @dtype_param
@@ -859,6 +878,50 @@ def test_sdpa_sink_extremes(dtype, isa, rng):
     for g, w in zip(no_sink, plain):
         assert_close(g, w, dtype, tol=VTOL[np.dtype(dtype)])
     check_parity((q, k, v), dict(sinks=np.array([60.0, -60.0, 0.0])), dtype)
+    # +inf takes all the weight: zeros, lse +inf, in every path and in the reference
+    for lq in (1, 5, 300):
+        q, k, v = make_problem(rng, 1, 2, 2, lq, 40, 8, 8, dtype)
+        kw = dict(sinks=np.array([np.inf, 0.0]), return_lse=True)
+        for got, flag in ((sdpa(q, k, v, **kw), False), (sdpa(q, k, v, return_weights=True, **kw), True)):
+            assert not got[0][0, 0].any() and (got[-1][0, 0] == np.inf).all()
+            assert np.isfinite(got[0][0, 1]).all() and np.isfinite(got[-1][0, 1]).all()
+            if flag:
+                assert not got[1][0, 0].any()
+        ro, rl = reference.scaled_dot_product_attention(q, k, v, **kw)
+        assert not ro[0, 0].any() and (rl[0, 0] == np.inf).all()
+
+
+@dtype_param
+def test_sdpa_softcap_limits(dtype, rng):
+    """The cap is held in log2 units in the computation's dtype: past its largest float it is
+    refused (it overflowed to inf, and inf * tanh(0) gave NaN); a 0-d array is a number."""
+    q, k, v = make_problem(rng, 1, 2, 2, 3, 7, 8, 8, dtype)
+    limit = float(np.finfo(dtype).max) / np.log2(np.e)
+    for lq in (1, 3):  # the C path and the general one
+        with pytest.raises(ValueError, match="softcap must be at most"):
+            sdpa(q[:, :, :lq], k, v, softcap=limit * 1.01)
+    big = sdpa(q, k, v, softcap=limit / 4)  # a cap far above the scores: no cap
+    assert_close(big, sdpa(q, k, v), dtype, tol=VTOL[np.dtype(dtype)])
+    for c in (np.array(2.0), np.float32(2.0), np.array(2)):
+        np.testing.assert_array_equal(sdpa(q, k, v, softcap=c), sdpa(q, k, v, softcap=2.0))
+    with pytest.raises(TypeError, match="softcap"):
+        sdpa(q, k, v, softcap=np.array([2.0]))
+
+
+def test_sdpa_out_sharing_memory_with_sinks_or_slopes(rng):
+    """An out= over the same memory as the sinks or the slopes (read by the kernel as they
+    are) is computed apart, then copied in."""
+    q, k, v = make_problem(rng, 1, 4, 4, 1, 30, 8, 1, np.float64)
+    for name in ("sinks", "alibi_slopes"):
+        buf = rng.normal(0, 1, 4)
+        if name == "alibi_slopes":
+            buf = np.abs(buf)
+        want = sdpa(q, k, v, return_lse=True, **{name: buf.copy()})
+        out = buf.reshape(1, 4, 1, 1)
+        got = sdpa(q, k, v, return_lse=True, out=out, **{name: buf})
+        assert got[0] is out
+        np.testing.assert_allclose(got[1], want[1], rtol=1e-14)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-14)
 
 
 @dtype_param

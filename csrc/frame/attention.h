@@ -444,18 +444,22 @@ struct Attention {
     }
   }
 
-  // ALiBi makes scores rise by up to slope * BK * log2(e) from one key block to the next (towards
-  // the diagonal), far past the lazy reference's slack. The bias is known before the block is
-  // computed: its largest value for query i over keys [k0, k0+kb) is nslope * dist(i + off,
-  // block). Where that exceeds what earlier blocks reached, the reference of a ready column moves
-  // up by the difference (rounded up to an integer, so l and acc scale exactly by 2^-d) before
-  // the fused kernel runs, which then sees only the spread of the raw scores.
+  // ALiBi makes scores rise by up to |slope| * BK * log2(e) from one key block to the next
+  // (towards the diagonal; away from it for a negative slope), far past the lazy reference's
+  // slack. The bias is known before the block is computed: its largest value for query i over
+  // keys [k0, k0+kb) is nslope * dist(i + off, block), the distance to the nearest key (the
+  // farthest for a negative slope). Where that exceeds what earlier blocks reached, the
+  // reference of a ready column moves up by the difference (rounded up to an integer, so l and
+  // acc scale exactly by 2^-d) before the fused kernel runs, which then sees only the spread of
+  // the raw scores.
   void anticipate_bias(const Problem& p, index_t qp, index_t k0, index_t kb, Tile& t) const {
     bool moved = false;
     for (int c = 0; c < NR; ++c) {
       const index_t i = qp + c + p.off;
-      const index_t dist = i < k0 ? k0 - i : i > k0 + kb - 1 ? i - (k0 + kb - 1) : 0;
-      const T b = p.md.nslope * T(dist);
+      const index_t near = i < k0 ? k0 - i : i > k0 + kb - 1 ? i - (k0 + kb - 1) : 0;
+      const index_t far =
+          max_of<index_t>(i > k0 ? i - k0 : k0 - i, i > k0 + kb - 1 ? i - (k0 + kb - 1) : k0 + kb - 1 - i);
+      const T b = p.md.nslope * T(p.md.nslope > T(0) ? far : near);
       T f = T(1);
       if (t.ready && b > t.bhw[c] && t.bhw[c] > -kInf) {
         const T d = std::ceil(b - t.bhw[c]);
@@ -550,8 +554,8 @@ struct Attention {
     if (l != l) return l;  // NaN
     if (!sinks) return l > T(0) ? T(kLn2) * (sub + std::log2(l)) : -kInf;
     const T s = sinks[p.bh] * T(kLog2e);
-    if (!(l > T(0))) return T(kLn2) * s;
-    const T M = sub > s ? sub : s;  // both exponents below are <= 0
+    if (!(l > T(0)) || s == kInf) return T(kLn2) * s;  // a +inf sink outweighs every key
+    const T M = sub > s ? sub : s;                     // both exponents below are <= 0
     return T(kLn2) * (M + std::log2(l * T(std::exp2(sub - M)) + T(std::exp2(s - M))));
   }
 
