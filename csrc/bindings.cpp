@@ -619,7 +619,7 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
     if (kn.strides[3] != kn.itemsize || vn.strides[3] != vn.itemsize) Py_RETURN_NONE;
     if (!writable(args[1]) || !writable(args[2]) || (kv == 3 && !(writable(args[10]) && writable(args[11]))))
       Py_RETURN_NONE;
-    if (overlap(kn, kc) || overlap(kn, vc) || overlap(vn, kc) || overlap(vn, vc)) Py_RETURN_NONE;
+    if (overlap(kn, kc) || overlap(kn, vc) || overlap(vn, kc) || overlap(vn, vc) || overlap(kc, vc)) Py_RETURN_NONE;
     if (kv && !(storable(kn, B, Hkv, Lq, E, kv) && storable(vn, B, Hkv, Lq, Ev, kv))) Py_RETURN_NONE;
     if (kv == 3) {
       for (const View* x : {&kn, &vn})

@@ -198,9 +198,9 @@ def scaled_dot_product_attention(
 
     if bh and Lq:
         if Lk == 0:
-            result[...] = 0
-            if lse is not None:  # no key: the sink alone, or -inf
+            if lse is not None:  # no key: the sink alone, or -inf (taken before out, which may share its memory)
                 lse[...] = -np.inf if sink is None else sink.reshape(lead + (1,))
+            result[...] = 0
         else:
             target = result
             if (
@@ -285,7 +285,7 @@ def softmax(x, axis=-1, *, scale=None, mask=None, out=None):
         lead_offsets(ts, nl), elem_strides(ts)[-1],  # ooff, ocs
         mask_kind, m, lead_offsets(m, nl) if m is not None else None,  # mask_kind, mask, moff
         elem_strides(m)[-1] if m is not None else 0,  # mcs
-        1.0 if scale is None else float(scale),  # scale
+        1.0 if scale is None else scale_value(scale, 1),  # scale
     )  # fmt: skip
     if target is not result:
         result[...] = target
@@ -359,7 +359,7 @@ def matmul(a, b, *, out=None):
         if not direct:
             out[...] = c.reshape(final)
         return out
-    return c.reshape(final)
+    return c.reshape(final)[()]  # 1-D @ 1-D: a NumPy scalar, as np.matmul gives
 
 
 # ----------------------------------------------------------------------------- threads & config

@@ -117,6 +117,15 @@ def _write(cache, scale, table, layout: _Layout, lens, new, counts):
         cache[blk, :, at] = rows
 
 
+def _share_elements(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays address a common byte (exact, unlike bounds: K and V interleaved in one
+    buffer do not); a layout too intricate to decide counts as shared."""
+    try:
+        return bool(np.shares_memory(a, b, max_work=1 << 20))
+    except np.exceptions.TooHardError:
+        return True
+
+
 def _check_written(cache, name):
     if not cache.flags.writeable:
         raise ValueError(f"{name} is read-only; new tokens are written into it in place")
@@ -243,8 +252,11 @@ def _cache_attention(
         written = [(k_cache, "k_cache"), (v_cache, "v_cache")]
         if kv_type == 3:
             written += [(k_scale, "k_scale"), (v_scale, "v_scale")]
-        for c, name in written:
+        for i, (c, name) in enumerate(written):
             _check_written(c, name)
+            for c2, name2 in written[:i]:  # one write would land on the other's (exactly: interleaved K/V are fine)
+                if _share_elements(c, c2):
+                    raise ValueError(f"{name} and {name2} share memory; new tokens are written into both")
 
     # Every check is done: only now is anything written.
     if counts is not None:

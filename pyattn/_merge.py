@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _core
-from ._validate import check_out
+from ._validate import check_out, same_layout
 
 __all__ = ["merge_attention_states"]
 
@@ -111,7 +111,12 @@ def _merge(outs, ls, lead: tuple, lq: int, ev: int, dtype, out=None):
     rows = lq * int(np.prod(lead, dtype=np.int64))
     o_rows = [_rows(np.broadcast_to(o.astype(dtype, copy=False), shape), rows, ev) for o in outs]
     l_rows = [_rows(np.broadcast_to(np.asarray(x, _F64), lead + (lq,))[..., None], rows, 1) for x in ls]
-    res = out if out is not None else np.empty(shape, dtype)
+    # An out= over memory the states also use is written row by row while they are read: safe
+    # only where it is that very state, element for element; otherwise computed apart, copied in.
+    apart = out is not None and any(
+        np.may_share_memory(out, x) and not (x.shape == shape and same_layout(out, x)) for x in (*outs, *ls)
+    )
+    res = out if out is not None and not apart else np.empty(shape, dtype)
     target, t_rs = _rows(res, rows, ev)
     lse = np.empty(lead + (lq,), _F64)
     _core.merge(
@@ -120,6 +125,9 @@ def _merge(outs, ls, lead: tuple, lq: int, ev: int, dtype, out=None):
     )  # fmt: skip
     if not np.may_share_memory(target, res):  # an out= whose layout needed a copy
         res[...] = target.reshape(shape)
+    if apart:
+        out[...] = res
+        res = out
     return res, lse
 
 

@@ -38,7 +38,7 @@ def _mha_mask(attn_mask, key_padding_mask, B, H, Lq, Lk, dtype):
         mask = np.asarray(attn_mask)
         if mask.dtype != np.bool_ and mask.dtype.kind != "f":
             raise TypeError(f"attn_mask must be a bool or float array; got dtype {mask.dtype}")
-        if mask.ndim == 3 and mask.shape[0] == B * H and B * H != 1:
+        if mask.ndim == 3 and mask.shape[0] == B * H and B * H != 1 and mask.shape[1:] == (Lq, Lk):
             mask = mask.reshape(B, H, Lq, Lk)  # torch's (B*num_heads, Lq, Lk) layout
         try:
             np.broadcast_shapes(mask.shape, (B, H, Lq, Lk))
@@ -135,7 +135,7 @@ def multi_head_attention(
     for w, name in zip(ws, ("w_q", "w_k", "w_v", "w_o")):
         if w.ndim != 2:
             raise ValueError(f"{name} must be 2-D (in_features, out_features); got shape {w.shape}")
-    B = max(q_in.shape[0], k_in.shape[0])
+    B = max(q_in.shape[0], k_in.shape[0], v_in.shape[0])  # a batch of 1 broadcasts
     for a, name in ((q_in, "query"), (k_in, "key"), (v_in, "value")):
         if a.shape[0] not in (1, B):
             raise ValueError(f"{name} has batch size {a.shape[0]}; expected {B} (or 1)")
@@ -281,7 +281,7 @@ class MultiHeadAttention:
     def load_state_dict(self, mapping) -> None:
         """Load torch ``nn.MultiheadAttention`` parameters given as NumPy arrays."""
         E, kv = self.embed_dim, self.num_kv_heads * self.head_dim
-        sd = {k: np.asarray(v) for k, v in dict(mapping).items()}
+        sd = {k: np.asarray(v) for k, v in dict(mapping).items() if v is not None}  # None: no such parameter
         unsupported = {"bias_k", "bias_v"} & sd.keys()
         if unsupported:
             raise ValueError(f"load_state_dict: {sorted(unsupported)} (add_bias_kv) is not supported")
@@ -334,6 +334,8 @@ def sinusoidal_positional_encoding(num_positions, d_model, *, base=10000.0, dtyp
     if num_positions < 0:
         raise ValueError(f"num_positions must be >= 0; got {num_positions}")
     d_model = positive_int(d_model, "d_model")
+    if isinstance(base, (bool, np.bool_)) or np.ndim(base) != 0 or not isinstance(base, (int, float, np.number)):
+        raise TypeError(f"base must be a number > 0; got {base!r}")
     if not base > 0:
         raise ValueError(f"base must be > 0; got {base}")
     dtype = np.dtype(dtype)

@@ -134,6 +134,8 @@ def test_show_config_says_why_the_isa(capsys):
     assert flags[ISAS[-1]] in default.stdout, default.stdout
     forced = run(dict(base, PYATTN_ISA="generic"))
     assert forced.stdout.strip() == "forced by PYATTN_ISA", forced.stdout
+    empty = run(dict(base, PYATTN_ISA=""))  # unset, for the C layer as for the Python one
+    assert empty.stdout == default.stdout, (empty.stdout, default.stdout)
     bad = run(dict(base, PYATTN_ISA="no-such-set"))
     assert "PYATTN_ISA names no kernel set" in bad.stdout and flags[ISAS[-1]] in bad.stdout, bad.stdout
     core = pyattn._core

@@ -565,3 +565,22 @@ def test_random_sweep(client):
     """60 random shapes, chunkings and variants (fixed seed), all against the NumPy call."""
     rng = _rng(2026)
     _verify(client, {f"draw {t}": _random_case(rng) for t in range(60)})
+
+
+def test_infinite_sink_takes_all_the_weight_as_in_numpy():
+    """A +inf sink: zeros and lse +inf, as the NumPy function gives, however the keys are chunked
+    (the merge read exp(inf - inf) as NaN)."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 6, 8)) for _ in range(3))
+    kw = dict(sinks=np.array([np.inf, 0.0]), return_lse=True)
+    o, l = pyattn.scaled_dot_product_attention(q, k, v, **kw)
+    for kc in (6, 3, 2):
+        with dask.config.set(scheduler="synchronous"):
+            do, dl = pdask.scaled_dot_product_attention(
+                da.from_array(q, chunks=(1, 2, 3, 8)), da.from_array(k, chunks=(1, 2, kc, 8)),
+                da.from_array(v, chunks=(1, 2, kc, 8)), **kw,
+            )  # fmt: skip
+            do, dl = do.compute(), dl.compute()
+        assert not do[0, 0].any() and (dl[0, 0] == np.inf).all()
+        np.testing.assert_allclose(do, o, rtol=1e-12, atol=1e-13)
+        np.testing.assert_allclose(dl, l, rtol=1e-12)

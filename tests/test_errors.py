@@ -440,6 +440,18 @@ def test_sinusoidal_bad(args, kw, match):
         pyattn.sinusoidal_positional_encoding(*args, **kw)
 
 
+@pytest.mark.parametrize("base", ["10", None, np.array([2.0, 3.0]), True])
+def test_sinusoidal_bad_base_type(base):
+    with pytest.raises(TypeError, match="base"):
+        pyattn.sinusoidal_positional_encoding(4, 4, base=base)
+
+
+@pytest.mark.parametrize("scale", [True, "abc", np.ones(2), 1j])
+def test_softmax_bad_scale(scale):
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        pyattn.softmax(np.ones((2, 3), np.float32), scale=scale)
+
+
 def test_sinusoidal_bad_dtype():
     with pytest.raises(BAD_INPUT, match="dtype"):
         pyattn.sinusoidal_positional_encoding(4, 4, dtype=np.int32)

@@ -231,3 +231,21 @@ def test_kvcache_reset_of_no_rows(rng):
         assert cache.lens.tolist() == [1, 1]
     with pytest.raises(ValueError, match="rows"):
         cache.reset([0.5])
+
+
+@pytest.mark.parametrize("pair", ["scales", "caches", "scale_and_cache"])
+def test_written_arrays_that_share_memory_are_refused(pair, rng):
+    """Two arrays a call writes into over the same memory: one write would land on the other's
+    (the C path declined, and the Python path then wrote the value scales over the key scales)."""
+    kc, vc, sc = _caches(np.int8)
+    if pair == "scales":
+        sc["v_scale"] = sc["k_scale"]
+    elif pair == "caches":
+        vc = kc
+    else:
+        sc["k_scale"] = np.ndarray((1, 1, 8), np.float32, buffer=kc, strides=(32, 32, 4))  # kc's bytes
+    q, kn, vn = rn(rng, (1, 1, 1, 4)), rn(rng, (1, 1, 1, 4)), rn(rng, (1, 1, 1, 4))
+    before = _snapshot(kc, vc, sc["k_scale"], sc["v_scale"])
+    with pytest.raises(ValueError, match="share memory"):
+        pyattn.kvcache_attention(q, kc, vc, np.array([0]), k_new=kn, v_new=vn, **sc)
+    assert _unchanged(before, kc, vc, sc["k_scale"], sc["v_scale"])

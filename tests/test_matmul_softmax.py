@@ -436,3 +436,12 @@ def test_additive_attention_parity(isa, dtype, lead, rng):
         want, ww = reference.additive_attention(q, keys, wq, wk, v, return_weights=True, **kw)
         assert_close(got, want, dtype)
         assert_close(gw, ww, dtype)
+
+
+@dtype_param
+def test_matmul_vector_dot_is_a_numpy_scalar(dtype, rng):
+    """1-D @ 1-D gives a NumPy scalar, as np.matmul does (it was a 0-d array)."""
+    a, b = randn(rng, (17,), dtype), randn(rng, (17,), dtype)
+    got, want = pyattn.matmul(a, b), np.matmul(a, b)
+    assert type(got) is type(want) and np.ndim(got) == 0
+    assert_close(np.asarray(got), np.asarray(np.matmul(a.astype(np.float64), b.astype(np.float64))), dtype)

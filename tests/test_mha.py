@@ -354,3 +354,30 @@ def test_reference_broadcasts_a_batch_of_one(rng):
     got, _ = pyattn.multi_head_attention(x1, kv, kv, 4, *w)
     assert want.shape == got.shape == (2, 7, 12)
     assert_close(got, want, np.float64)
+
+
+def test_value_batch_broadcasts_like_query_and_key(rng):
+    """query and key of batch 1 with a value of batch B: the batch broadcasts (it was refused)."""
+    x1, v = randn(rng, (1, 5, 8)), randn(rng, (3, 6, 8))
+    k = randn(rng, (1, 6, 8))
+    w = [randn(rng, (8, 8)) for _ in range(4)]
+    got, _ = pyattn.multi_head_attention(x1, k, v, 2, *w)
+    want, _ = reference.multi_head_attention(x1, k, v, 2, *w)
+    assert got.shape == (3, 5, 8)
+    assert_close(got, want, np.float64)
+
+
+def test_torch_style_mask_of_the_wrong_shape_names_attn_mask(rng):
+    x = randn(rng, (2, 3, 8))
+    w = [randn(rng, (8, 8)) for _ in range(4)]
+    with pytest.raises(ValueError, match=r"attn_mask has shape \(4, 3, 1\)"):
+        pyattn.multi_head_attention(x, x, x, 2, *w, attn_mask=np.zeros((4, 3, 1)))
+
+
+def test_load_state_dict_takes_none_for_absent_biases(rng):
+    """A bias=False layer takes a state dict whose bias entries are None (as torch's may be)."""
+    src = pyattn.MultiHeadAttention(8, 2, bias=False, dtype=np.float64, rng=rng)
+    dst = pyattn.MultiHeadAttention(8, 2, bias=False, dtype=np.float64)
+    dst.load_state_dict(dict(src.state_dict(), in_proj_bias=None, **{"out_proj.bias": None}))
+    x = randn(rng, (1, 3, 8))
+    np.testing.assert_array_equal(dst(x, x, x)[0], src(x, x, x)[0])

@@ -557,6 +557,26 @@ def test_merge_broadcasts_leading_axes(isa, rng):
 
 
 @dtype_param
+def test_merge_out_overlapping_the_states(dtype, isa, rng):
+    """An out= over memory the states use, other than a state itself: computed apart, then
+    copied in (it was written row by row while later rows were still being read)."""
+    outs, lses = random_states(rng, 3, (2, 3), 4, 5, dtype)
+    want_o, want_l = merge(outs, lses)
+    buf = np.concatenate([outs[0].reshape(-1), np.zeros(5, dtype)])
+    shifted_in = [buf[:-5].reshape(outs[0].shape), outs[1], outs[2]]
+    got = merge(shifted_in, lses, out=buf[5:].reshape(outs[0].shape))  # one row after state 0
+    np.testing.assert_array_equal(got[0], want_o)
+    o1 = outs[1].copy()
+    got = merge([outs[0], o1, outs[2]], lses, out=o1[..., ::-1, :])  # state 1 reversed
+    np.testing.assert_array_equal(got[0], want_o)
+    o0 = outs[0].copy()
+    got = merge([o0, outs[1], outs[2]], lses, out=o0)  # the state itself: done in place
+    assert got[0] is o0
+    np.testing.assert_array_equal(got[0], want_o)
+    np.testing.assert_array_equal(got[1], want_l)
+
+
+@dtype_param
 @pytest.mark.parametrize("layout", ["contiguous", "fortran", "strided"])
 def test_merge_out(layout, dtype, isa, rng):
     outs, lses = random_states(rng, 3, (2, 3), 4, 5, dtype)
@@ -790,6 +810,40 @@ def test_sdpa_steep_negative_alibi_stays_finite(slope, dtype, isa):
         _, want = reference.scaled_dot_product_attention(q, k, v, **kw)
         np.testing.assert_allclose(out, 1.0, rtol=4 * np.finfo(dtype).eps)
         np.testing.assert_allclose(lse, want, rtol=8 * np.finfo(dtype).eps)
+
+
+@dtype_param
+@pytest.mark.parametrize("slope", [-3.0, -0.5, 0.5, 4.0])
+def test_sdpa_alibi_bound_counts_only_visible_keys(slope, dtype, isa, rng):
+    """The block's largest bias is taken over the keys a query may see: a window that hides the
+    block's far keys (negative slope) or a mask that hides its near keys (positive slope) once
+    moved the reference far above every visible score (rows of 0 or inf)."""
+    Lq = Lk = 300
+    q, k = np.zeros((1, 1, Lq, 8), dtype), np.zeros((1, 1, Lk, 8), dtype)
+    v = np.ones((1, 1, Lk, 4), dtype)
+    near = np.abs(np.arange(Lq)[:, None] - np.arange(Lk)[None, :]) < 100  # the nearest keys hidden
+    for kw in (
+        dict(window=(40, 120)),
+        dict(window=(100, 60)),
+        dict(window=(0, 40)),
+        dict(attn_mask=~near),
+        dict(attn_mask=~near, window=(150, 150)),
+        dict(attn_mask=~near[:, ::-1]),
+    ):
+        kw = dict(kw, alibi_slopes=np.array([slope]), return_lse=True)
+        out, lse = pyattn.scaled_dot_product_attention(q, k, v, **kw)
+        _, want = reference.scaled_dot_product_attention(q, k, v, **kw)
+        seen = np.isfinite(want[0, 0])
+        np.testing.assert_allclose(out[0, 0][seen], 1.0, rtol=8 * np.finfo(dtype).eps, err_msg=str(kw))
+        eps = np.finfo(dtype).eps
+        np.testing.assert_allclose(lse, want, rtol=8 * eps, atol=16 * eps, err_msg=str(kw))
+    kw = dict(alibi_slopes=np.array([slope]), window=(40, 120), is_causal=False)
+    for got in (
+        pyattn.kvcache_attention(q, k, v, np.array([Lk]), **kw),
+        pyattn.varlen_attention(q[0].transpose(1, 0, 2), k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2),
+                                np.array([0, Lq]), np.array([0, Lk]), **kw)[None].transpose(0, 2, 1, 3),
+    ):  # fmt: skip
+        np.testing.assert_allclose(got, 1.0, rtol=8 * np.finfo(dtype).eps)
 
 
 @dtype_param
@@ -1395,3 +1449,17 @@ def test_sdpa_half_kv_other_byte_order(kv_dtype, rng):
     want = pyattn.scaled_dot_product_attention(q, k, v, is_causal=True)
     got = pyattn.scaled_dot_product_attention(q, ks, vs, is_causal=True)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_sdpa_no_keys_with_sinks_and_out_over_the_sinks(rng):
+    """Lk = 0 with sinks: the lse is the sink, taken before the zeros go into an out= that shares
+    the sinks' memory (it read the zeros)."""
+    q = randn(rng, (1, 4, 1, 8))
+    k = v = np.zeros((1, 4, 0, 8))
+    buf = rng.normal(0, 1, 32)
+    sinks = buf[:4]
+    want = sinks.copy()
+    out = buf.reshape(1, 4, 1, 8)
+    got, lse = pyattn.scaled_dot_product_attention(q, k, v, sinks=sinks, out=out, return_lse=True)
+    assert got is out and not out.any()
+    np.testing.assert_array_equal(lse[0, :, 0], want)

@@ -447,18 +447,24 @@ struct Attention {
   // ALiBi makes scores rise by up to |slope| * BK * log2(e) from one key block to the next
   // (towards the diagonal; away from it for a negative slope), far past the lazy reference's
   // slack. The bias is known before the block is computed: its largest value for query i over
-  // keys [k0, k0+kb) is nslope * dist(i + off, block), the distance to the nearest key (the
-  // farthest for a negative slope). Where that exceeds what earlier blocks reached, the
-  // reference of a ready column moves up by the difference (rounded up to an integer, so l and
-  // acc scale exactly by 2^-d) before the fused kernel runs, which then sees only the spread of
-  // the raw scores.
+  // the keys of [k0, k0+kb) it may see by position (causal, window, kv_lens) is nslope * dist,
+  // the distance to the nearest of them (the farthest for a negative slope). Where that exceeds
+  // what earlier blocks reached, the reference of a ready column moves up by the difference
+  // (rounded up to an integer, so l and acc scale exactly by 2^-d) before the fused kernel runs,
+  // which then sees only the spread of the raw scores. The bound must be reached by a visible
+  // key: one too high would leave every visible score far below the reference (underflow), so
+  // it is not taken with a mask (which may hide any key; the caller skips this then).
   void anticipate_bias(const Problem& p, index_t qp, index_t k0, index_t kb, Tile& t) const {
     bool moved = false;
     for (int c = 0; c < NR; ++c) {
-      const index_t i = qp + c + p.off;
-      const index_t near = i < k0 ? k0 - i : i > k0 + kb - 1 ? i - (k0 + kb - 1) : 0;
-      const index_t far =
-          max_of<index_t>(i > k0 ? i - k0 : k0 - i, i > k0 + kb - 1 ? i - (k0 + kb - 1) : k0 + kb - 1 - i);
+      const index_t qi = qp + c, i = qi + p.off;
+      const index_t j0 = max_of<index_t>(k0, lo(p, qi)), j1 = min_of<index_t>(k0 + kb, hi(p, qi)) - 1;
+      if (qi >= p.Lq || j0 > j1) {  // sees none of the block
+        t.alpha[c] = T(1);
+        continue;
+      }
+      const index_t near = i < j0 ? j0 - i : i > j1 ? i - j1 : 0;
+      const index_t far = max_of<index_t>(i > j0 ? i - j0 : j0 - i, i > j1 ? i - j1 : j1 - i);
       const T b = p.md.nslope * T(p.md.nslope > T(0) ? far : near);
       T f = T(1);
       if (t.ready && b > t.bhw[c] && t.bhw[c] > -kInf) {
@@ -521,7 +527,8 @@ struct Attention {
       const bool plain = unmasked(p, qa, last_q(p, q0, p1 - 1), k0, kb);
       const Block kblk = key_block(p, k0, kb, cv);
       if constexpr (ALIBI)
-        for (int i = 0; i < na; ++i) anticipate_bias(p, qa + i * NR, k0, kb, ta[i]);
+        if (a.mask_kind == MaskKind::none)
+          for (int i = 0; i < na; ++i) anticipate_bias(p, qa + i * NR, k0, kb, ta[i]);
       bool fused[kMaxNP];
       for (int i = 0; i < na; ++i) fused[i] = plain && ta[i].ready;
       scores<CAP, ALIBI>(p, qa, k0, kb, kblk, ta, na, fused, plain);

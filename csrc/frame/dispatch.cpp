@@ -60,7 +60,7 @@ const IsaTable* best_table() {
   // PYATTN_ISA forces a path; an unknown or unsupported name falls back to the best one and
   // the Python layer reports it (it checks the variable against available_isas()).
   const char* env = std::getenv("PYATTN_ISA");
-  if (env) {
+  if (env && *env) {  // empty: unset, as the Python layer reads it
     if (const IsaTable* t = table_for(env)) {
       g_reason.store("forced by PYATTN_ISA");
       return t;
