@@ -456,12 +456,19 @@ struct Attention {
   // it is not taken with a mask (which may hide any key; the caller skips this then).
   void anticipate_bias(const Problem& p, index_t qp, index_t k0, index_t kb, Tile& t) const {
     bool moved = false;
+    // whether every query of the panel sees the whole block (lo and hi rise with the query)
+    const index_t qz = min_of<index_t>(p.Lq, qp + NR) - 1;
+    const bool whole = lo(p, qz) <= k0 && hi(p, qp) >= k0 + kb;
     for (int c = 0; c < NR; ++c) {
       const index_t qi = qp + c, i = qi + p.off;
-      const index_t j0 = max_of<index_t>(k0, lo(p, qi)), j1 = min_of<index_t>(k0 + kb, hi(p, qi)) - 1;
-      if (qi >= p.Lq || j0 > j1) {  // sees none of the block
-        t.alpha[c] = T(1);
-        continue;
+      index_t j0 = k0, j1 = k0 + kb - 1;
+      if (!whole) {
+        j0 = max_of<index_t>(k0, lo(p, qi));
+        j1 = min_of<index_t>(k0 + kb, hi(p, qi)) - 1;
+        if (qi >= p.Lq || j0 > j1) {  // sees none of the block
+          t.alpha[c] = T(1);
+          continue;
+        }
       }
       const index_t near = i < j0 ? j0 - i : i > j1 ? i - j1 : 0;
       const index_t far = max_of<index_t>(i > j0 ? i - j0 : j0 - i, i > j1 ? i - j1 : j1 - i);
