@@ -301,7 +301,10 @@ bool per_head(PyObject* o, index_t Hq, index_t bh, std::vector<T>& buf, const vo
   buf.resize(std::size_t(bh));
   for (index_t i = 0; i < bh; ++i) {
     const char* e = p->data + (i % Hq) * p->strides[0];
-    buf[std::size_t(i)] = typenum == kFloat32 ? T(read_at<float>(e)) : T(read_at<double>(e));
+    const T x = typenum == kFloat32 ? T(read_at<float>(e)) : T(read_at<double>(e));
+    // the kernels take it in log2 units: a finite value that overflows there is refused (Python)
+    if (std::isfinite(x) && !std::isfinite(x * T(1.4426950408889634))) return false;
+    buf[std::size_t(i)] = x;
   }
   ptr = buf.data();
   return true;
@@ -381,9 +384,15 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   double cap;
   if (!window_sides(args[8], win_left, win_right) || !softcap_of(args[9], cap)) Py_RETURN_NONE;
   // held in log2 units in the query's type: a cap that overflows there is refused by the general path
-  const double type_max =
-      q.typenum == kFloat32 ? double(std::numeric_limits<float>::max()) : std::numeric_limits<double>::max();
-  if (cap > type_max / 1.4426950408889634) Py_RETURN_NONE;
+  // and the query's scale factor (scale * log2(e), over the cap in log2 units) with it: a finite
+  // scale or cap past what the type holds is refused by the general path (see _validate.kernel_factors)
+  const bool f32 = q.typenum == kFloat32;
+  const double type_max = f32 ? double(std::numeric_limits<float>::max()) : std::numeric_limits<double>::max();
+  const double type_min = f32 ? double(std::numeric_limits<float>::min()) : std::numeric_limits<double>::min();
+  const double s2 = scale * 1.4426950408889634 / (cap > 0 ? cap * 1.4426950408889634 : 1.0);
+  if (cap > type_max / 1.4426950408889634 || (cap > 0 && cap * 1.4426950408889634 < type_min) ||
+      (std::isfinite(scale) && !(std::fabs(s2) <= type_max)))
+    Py_RETURN_NONE;
   const void *slopes = nullptr, *sinks = nullptr;
   const index_t* kv_lens = nullptr;
   if (args[10] != Py_None || args[11] != Py_None || args[12] != Py_None) {
@@ -651,6 +660,11 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
     scale = PyFloat_AS_DOUBLE(args[7]);
   } else {
     Py_RETURN_NONE;
+  }
+  {  // scale * log2(e) in the query's type: a finite scale past it is refused by the general path
+    const double type_max =
+        q.typenum == kFloat32 ? double(std::numeric_limits<float>::max()) : std::numeric_limits<double>::max();
+    if (std::isfinite(scale) && !(std::fabs(scale * 1.4426950408889634) <= type_max)) Py_RETURN_NONE;
   }
 
   return guarded([&]() -> PyObject* {

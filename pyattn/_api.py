@@ -27,6 +27,7 @@ from ._validate import (
     compute_dtype,
     elem_strides,
     float_array,
+    kernel_factors,
     key_counts,
     lead_offsets,
     mask_array,
@@ -174,6 +175,7 @@ def scaled_dot_product_attention(
     if out is not None:
         check_out(out, out_shape, dtype)
     scale = scale_value(scale, E)
+    kernel_factors(scale, cap, dtype)
 
     mask_kind, m = 0, None
     if attn_mask is not None:

@@ -18,6 +18,7 @@ from ._validate import (
     compute_dtype,
     float_array,
     int64_values,
+    kernel_factors,
     lead_offsets,
     overlaps,
     per_head,
@@ -248,6 +249,7 @@ def _cache_attention(
     if out is not None:
         check_out(out, (B, Hq, Lq, Ev), dtype)
     scale = scale_value(scale, E)
+    kernel_factors(scale, cap, dtype)
     if counts is not None:
         written = [(k_cache, "k_cache"), (v_cache, "v_cache")]
         if kv_type == 3:
@@ -580,6 +582,7 @@ def varlen_attention(
     if out is not None:
         check_out(out, (Tq, Hq, Ev), dtype)
     scale = scale_value(scale, E)
+    kernel_factors(scale, cap, dtype)
     result = np.zeros((Tq, Hq, Ev), dtype)
     lse = np.full((Tq, Hq), -np.inf, dtype) if return_lse else None
     bh = B * Hq

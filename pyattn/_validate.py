@@ -210,6 +210,25 @@ def softcap_value(softcap, dtype: np.dtype = F64) -> float:
     return c
 
 
+def kernel_factors(scale: float, cap: float, dtype: np.dtype) -> None:
+    """The kernels fold ``scale * log2(e)`` (over the cap in log2 units, with a softcap) into the
+    query and hold the cap in log2 units, in the computation's dtype: a finite scale or a cap whose
+    factor overflows there (or a cap that is not a normal number there) would give NaN, so it is
+    refused. A NaN or infinite scale passes (it propagates)."""
+    info, log2e = np.finfo(dtype), math.log2(math.e)
+    if cap > 0 and cap * log2e < float(info.tiny):
+        raise ValueError(
+            f"softcap must be at least {float(info.tiny) / log2e:.4g} in a {np.dtype(dtype).name} computation; "
+            f"got {cap!r}"
+        )
+    factor = scale * log2e / (cap * log2e if cap > 0 else 1.0)
+    if math.isfinite(scale) and not abs(factor) <= float(info.max):
+        raise ValueError(
+            f"scale {scale!r}{f' over softcap {cap!r}' if cap > 0 else ''} overflows a "
+            f"{np.dtype(dtype).name} computation"
+        )
+
+
 def per_head(values, name: str, lead: tuple, dtype: np.dtype):
     """A per-(batch, head) quantity (ALiBi slopes, sinks) broadcast to ``lead`` = (..., Hq) and
     flattened in the core's problem order (contiguous, ``dtype``); None stays None."""
@@ -219,7 +238,12 @@ def per_head(values, name: str, lead: tuple, dtype: np.dtype):
     if a.dtype.kind not in "fiu" and a.dtype.name != "bfloat16":
         raise TypeError(f"{name} must be a float array; got dtype {a.dtype}")
     b = _broadcast_named(a, lead, name, "one per query head")
-    return np.ascontiguousarray(b, dtype=dtype).reshape(-1)
+    flat = np.ascontiguousarray(b, dtype=dtype).reshape(-1)
+    with np.errstate(over="ignore"):  # the kernels take it in log2 units: finite there too
+        past = np.isfinite(flat) & ~np.isfinite(flat * flat.dtype.type(math.log2(math.e)))
+    if past.any():
+        raise ValueError(f"{name} holds {flat[past][0]!r}, past what a {np.dtype(dtype).name} computation holds")
+    return flat
 
 
 def _broadcast_named(a: np.ndarray, shape: tuple, name: str, what: str) -> np.ndarray:

@@ -33,7 +33,7 @@ import numpy as np
 
 from ._api import scaled_dot_product_attention as _sdpa
 from ._merge import merge_states_f64
-from ._validate import NO_LIMIT, scale_value, window_sides
+from ._validate import NO_LIMIT, kernel_factors, scale_value, softcap_value, window_sides
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -519,6 +519,7 @@ def scaled_dot_product_attention(
     _check_chunks(k_chunks, [("value", v)], n, "Lk")
     _check_chunks(k_chunks, [("attn_mask", m)], n + 1, "Lk")
 
+    kernel_factors(scale_value(scale, E), softcap_value(softcap, dtype), dtype)  # as the NumPy call will
     p = _Piece(
         scale=scale_value(scale, E),
         softcap=softcap, L=L, R=R, dtype=np.dtype(dtype), ev=Ev, group=group,

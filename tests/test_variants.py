@@ -1463,3 +1463,26 @@ def test_sdpa_no_keys_with_sinks_and_out_over_the_sinks(rng):
     got, lse = pyattn.scaled_dot_product_attention(q, k, v, sinks=sinks, out=out, return_lse=True)
     assert got is out and not out.any()
     np.testing.assert_array_equal(lse[0, :, 0], want)
+
+
+@pytest.mark.parametrize(
+    "kw,name",
+    [
+        (dict(softcap=1e-39), "softcap"),  # below float32's smallest normal in log2 units
+        (dict(scale=3e38), "scale"),  # scale * log2(e) past float32's largest
+        (dict(scale=10.0, softcap=1e-38), "scale"),  # scale over the cap past it
+        (dict(alibi_slopes=np.array([2.5e38, 1.0])), "alibi_slopes"),
+        (dict(sinks=np.array([3e38, 0.0])), "sinks"),
+    ],
+)
+def test_float32_factors_past_the_type_are_refused(kw, name, rng):
+    """Finite parameters whose log2-unit factors overflow float32 in the kernels gave NaN (or an
+    lse of inf): refused with an error naming them, in the C path (Lq 1) and the general one."""
+    q, k, v = make_problem(rng, 1, 2, 2, 5, 7, 8, 8, np.float32)
+    for lq in (1, 5):
+        with pytest.raises(ValueError, match=name):
+            pyattn.scaled_dot_product_attention(q[:, :, :lq], k, v, **kw)
+    with pytest.raises(ValueError, match=name):
+        pyattn.kvcache_attention(q[:, :, :1], k, v, np.array([7]), **kw)
+    ok = pyattn.scaled_dot_product_attention(q.astype(np.float64), k, v, **kw)  # float64 holds them
+    assert not np.isnan(ok).any()
