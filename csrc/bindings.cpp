@@ -250,6 +250,18 @@ bool window_sides(PyObject* o, index_t& left, index_t& right) {
   return window_side(PyTuple_GET_ITEM(o, 0), left) && window_side(PyTuple_GET_ITEM(o, 1), right);
 }
 
+// Whether the kernels' factors fit the computation's type: scale * log2(e) over the cap in log2
+// units, and the cap in log2 units (_validate.kernel_factors). The everyday call (no cap, a
+// scale far inside the type) costs two comparisons.
+bool factors_fit(double scale, double cap, bool f32) {
+  constexpr double kLog2e = 1.4426950408889634;
+  const double hi = f32 ? double(std::numeric_limits<float>::max()) : std::numeric_limits<double>::max();
+  if (cap == 0.0 && std::fabs(scale) <= 1e30) return true;
+  const double lo = f32 ? double(std::numeric_limits<float>::min()) : std::numeric_limits<double>::min();
+  if (cap > hi / kLog2e || (cap > 0.0 && cap * kLog2e < lo)) return false;
+  return !std::isfinite(scale) || std::fabs(scale * kLog2e / (cap > 0.0 ? cap * kLog2e : 1.0)) <= hi;
+}
+
 // softcap: None (0) or a finite float or int > 0 (_validate.softcap_value).
 bool softcap_of(PyObject* o, double& cap) {
   cap = 0.0;
@@ -385,14 +397,8 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   if (!window_sides(args[8], win_left, win_right) || !softcap_of(args[9], cap)) Py_RETURN_NONE;
   // held in log2 units in the query's type: a cap that overflows there is refused by the general path
   // and the query's scale factor (scale * log2(e), over the cap in log2 units) with it: a finite
-  // scale or cap past what the type holds is refused by the general path (see _validate.kernel_factors)
-  const bool f32 = q.typenum == kFloat32;
-  const double type_max = f32 ? double(std::numeric_limits<float>::max()) : std::numeric_limits<double>::max();
-  const double type_min = f32 ? double(std::numeric_limits<float>::min()) : std::numeric_limits<double>::min();
-  const double s2 = scale * 1.4426950408889634 / (cap > 0 ? cap * 1.4426950408889634 : 1.0);
-  if (cap > type_max / 1.4426950408889634 || (cap > 0 && cap * 1.4426950408889634 < type_min) ||
-      (std::isfinite(scale) && !(std::fabs(s2) <= type_max)))
-    Py_RETURN_NONE;
+  // scale or cap past what the type holds is refused by the general path (_validate.kernel_factors)
+  if (!factors_fit(scale, cap, q.typenum == kFloat32)) Py_RETURN_NONE;
   const void *slopes = nullptr, *sinks = nullptr;
   const index_t* kv_lens = nullptr;
   if (args[10] != Py_None || args[11] != Py_None || args[12] != Py_None) {
@@ -661,11 +667,7 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
   } else {
     Py_RETURN_NONE;
   }
-  {  // scale * log2(e) in the query's type: a finite scale past it is refused by the general path
-    const double type_max =
-        q.typenum == kFloat32 ? double(std::numeric_limits<float>::max()) : std::numeric_limits<double>::max();
-    if (std::isfinite(scale) && !(std::fabs(scale * 1.4426950408889634) <= type_max)) Py_RETURN_NONE;
-  }
+  if (!factors_fit(scale, 0.0, q.typenum == kFloat32)) Py_RETURN_NONE;  // (_validate.kernel_factors)
 
   return guarded([&]() -> PyObject* {
     // Every check is done: only now is anything written.
