@@ -1,13 +1,114 @@
 from contextlib import AbstractContextManager
-from typing import Any, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Literal, Mapping, Optional, Sequence, Tuple, Union, overload
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
+from . import _core as _core
 from . import reference as reference
+
+__all__ = [
+    "scaled_dot_product_attention",
+    "merge_attention_states",
+    "kvcache_attention",
+    "KVCache",
+    "varlen_attention",
+    "multi_head_attention",
+    "MultiHeadAttention",
+    "softmax",
+    "matmul",
+    "sinusoidal_positional_encoding",
+    "additive_attention",
+    "set_num_threads",
+    "get_num_threads",
+    "num_threads",
+    "show_config",
+    "reference",
+]
 
 __version__: str
 
+@overload
+def scaled_dot_product_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    attn_mask: Optional[ArrayLike] = ...,
+    *,
+    is_causal: bool = ...,
+    causal_align: str = ...,
+    scale: Optional[float] = ...,
+    enable_gqa: bool = ...,
+    return_weights: Literal[False] = ...,
+    return_lse: Literal[False] = ...,
+    out: Optional[NDArray[Any]] = ...,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = ...,
+    softcap: Optional[float] = ...,
+    alibi_slopes: Optional[ArrayLike] = ...,
+    sinks: Optional[ArrayLike] = ...,
+    kv_lens: Optional[ArrayLike] = ...,
+) -> NDArray[np.floating]: ...
+@overload
+def scaled_dot_product_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    attn_mask: Optional[ArrayLike] = ...,
+    *,
+    is_causal: bool = ...,
+    causal_align: str = ...,
+    scale: Optional[float] = ...,
+    enable_gqa: bool = ...,
+    return_weights: Literal[True],
+    return_lse: Literal[False] = ...,
+    out: Optional[NDArray[Any]] = ...,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = ...,
+    softcap: Optional[float] = ...,
+    alibi_slopes: Optional[ArrayLike] = ...,
+    sinks: Optional[ArrayLike] = ...,
+    kv_lens: Optional[ArrayLike] = ...,
+) -> Tuple[NDArray[np.floating], NDArray[np.floating]]: ...
+@overload
+def scaled_dot_product_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    attn_mask: Optional[ArrayLike] = ...,
+    *,
+    is_causal: bool = ...,
+    causal_align: str = ...,
+    scale: Optional[float] = ...,
+    enable_gqa: bool = ...,
+    return_weights: Literal[False] = ...,
+    return_lse: Literal[True],
+    out: Optional[NDArray[Any]] = ...,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = ...,
+    softcap: Optional[float] = ...,
+    alibi_slopes: Optional[ArrayLike] = ...,
+    sinks: Optional[ArrayLike] = ...,
+    kv_lens: Optional[ArrayLike] = ...,
+) -> Tuple[NDArray[np.floating], NDArray[np.floating]]: ...
+@overload
+def scaled_dot_product_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    attn_mask: Optional[ArrayLike] = ...,
+    *,
+    is_causal: bool = ...,
+    causal_align: str = ...,
+    scale: Optional[float] = ...,
+    enable_gqa: bool = ...,
+    return_weights: Literal[True],
+    return_lse: Literal[True],
+    out: Optional[NDArray[Any]] = ...,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = ...,
+    softcap: Optional[float] = ...,
+    alibi_slopes: Optional[ArrayLike] = ...,
+    sinks: Optional[ArrayLike] = ...,
+    kv_lens: Optional[ArrayLike] = ...,
+) -> Tuple[NDArray[np.floating], NDArray[np.floating], NDArray[np.floating]]: ...
+@overload
 def scaled_dot_product_attention(
     query: ArrayLike,
     key: ArrayLike,
@@ -33,6 +134,49 @@ def merge_attention_states(
     *,
     out: Optional[NDArray[Any]] = ...,
 ) -> Tuple[NDArray[np.floating], NDArray[np.floating]]: ...
+@overload
+def kvcache_attention(
+    query: ArrayLike,
+    k_cache: NDArray[Any],
+    v_cache: NDArray[Any],
+    cache_lens: ArrayLike,
+    *,
+    k_new: Optional[ArrayLike] = ...,
+    v_new: Optional[ArrayLike] = ...,
+    block_table: Optional[ArrayLike] = ...,
+    k_scale: Optional[NDArray[np.float32]] = ...,
+    v_scale: Optional[NDArray[np.float32]] = ...,
+    scale: Optional[float] = ...,
+    is_causal: bool = ...,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = ...,
+    softcap: Optional[float] = ...,
+    alibi_slopes: Optional[ArrayLike] = ...,
+    sinks: Optional[ArrayLike] = ...,
+    return_lse: Literal[False] = ...,
+    out: Optional[NDArray[Any]] = ...,
+) -> NDArray[np.floating]: ...
+@overload
+def kvcache_attention(
+    query: ArrayLike,
+    k_cache: NDArray[Any],
+    v_cache: NDArray[Any],
+    cache_lens: ArrayLike,
+    *,
+    k_new: Optional[ArrayLike] = ...,
+    v_new: Optional[ArrayLike] = ...,
+    block_table: Optional[ArrayLike] = ...,
+    k_scale: Optional[NDArray[np.float32]] = ...,
+    v_scale: Optional[NDArray[np.float32]] = ...,
+    scale: Optional[float] = ...,
+    is_causal: bool = ...,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = ...,
+    softcap: Optional[float] = ...,
+    alibi_slopes: Optional[ArrayLike] = ...,
+    sinks: Optional[ArrayLike] = ...,
+    return_lse: Literal[True],
+    out: Optional[NDArray[Any]] = ...,
+) -> Tuple[NDArray[np.floating], NDArray[np.floating]]: ...
+@overload
 def kvcache_attention(
     query: ArrayLike,
     k_cache: NDArray[Any],
@@ -93,6 +237,41 @@ class KVCache:
         **variants: Any,
     ) -> Any: ...
 
+@overload
+def varlen_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    *,
+    is_causal: bool = ...,
+    scale: Optional[float] = ...,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = ...,
+    softcap: Optional[float] = ...,
+    alibi_slopes: Optional[ArrayLike] = ...,
+    sinks: Optional[ArrayLike] = ...,
+    return_lse: Literal[False] = ...,
+    out: Optional[NDArray[Any]] = ...,
+) -> NDArray[np.floating]: ...
+@overload
+def varlen_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    *,
+    is_causal: bool = ...,
+    scale: Optional[float] = ...,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = ...,
+    softcap: Optional[float] = ...,
+    alibi_slopes: Optional[ArrayLike] = ...,
+    sinks: Optional[ArrayLike] = ...,
+    return_lse: Literal[True],
+    out: Optional[NDArray[Any]] = ...,
+) -> Tuple[NDArray[np.floating], NDArray[np.floating]]: ...
+@overload
 def varlen_attention(
     query: ArrayLike,
     key: ArrayLike,
@@ -199,6 +378,31 @@ def matmul(a: ArrayLike, b: ArrayLike, *, out: Optional[NDArray[Any]] = ...) -> 
 def sinusoidal_positional_encoding(
     num_positions: int, d_model: int, *, base: float = ..., dtype: DTypeLike = ...
 ) -> NDArray[np.floating]: ...
+@overload
+def additive_attention(
+    query: ArrayLike,
+    keys: ArrayLike,
+    w_query: ArrayLike,
+    w_keys: ArrayLike,
+    v: ArrayLike,
+    *,
+    values: Optional[ArrayLike] = ...,
+    mask: Optional[ArrayLike] = ...,
+    return_weights: Literal[False] = ...,
+) -> NDArray[np.floating]: ...
+@overload
+def additive_attention(
+    query: ArrayLike,
+    keys: ArrayLike,
+    w_query: ArrayLike,
+    w_keys: ArrayLike,
+    v: ArrayLike,
+    *,
+    values: Optional[ArrayLike] = ...,
+    mask: Optional[ArrayLike] = ...,
+    return_weights: Literal[True],
+) -> Tuple[NDArray[np.floating], NDArray[np.floating]]: ...
+@overload
 def additive_attention(
     query: ArrayLike,
     keys: ArrayLike,
