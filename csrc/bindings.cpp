@@ -313,9 +313,10 @@ bool per_head(PyObject* o, index_t Hq, index_t bh, std::vector<T>& buf, const vo
   buf.resize(std::size_t(bh));
   for (index_t i = 0; i < bh; ++i) {
     const char* e = p->data + (i % Hq) * p->strides[0];
-    const T x = typenum == kFloat32 ? T(read_at<float>(e)) : T(read_at<double>(e));
-    // the kernels take it in log2 units: a finite value that overflows there is refused (Python)
-    if (std::isfinite(x) && !std::isfinite(x * T(1.4426950408889634))) return false;
+    const double given = typenum == kFloat32 ? double(read_at<float>(e)) : read_at<double>(e);
+    const T x = T(given);
+    // the kernels take it in T, in log2 units: a finite value that overflows there is refused (Python)
+    if (std::isfinite(given) && !std::isfinite(x * T(1.4426950408889634))) return false;
     buf[std::size_t(i)] = x;
   }
   ptr = buf.data();

@@ -97,25 +97,33 @@ class _Layout:
         return strided_offsets((batch, heads // group), (0 if self.paged else self.bs, self.hs), group)
 
 
-def _write(cache, scale, table, layout: _Layout, lens, new, counts):
-    """cache[b, :, lens[b] + j] = new[b, :, j] for j < counts[b] (paged: through the table);
-    an int8 cache gets the quantised values and their scales."""
+def _stage(cache, scale, table, layout: _Layout, lens, new, counts):
+    """What _commit writes for cache[b, :, lens[b] + j] = new[b, :, j], j < counts[b] (paged:
+    through the table): the positions and the values already in the cache's dtype (quantised with
+    their scales for int8). Staged for K and V before either is written, so that a cast that
+    raises (under np.errstate) or a new row that is a view of the cache changes nothing."""
     B, _, Lq, _ = new.shape
     bsel, jsel = np.nonzero(np.arange(Lq)[None, :] < counts[:, None])
     if bsel.size == 0:
-        return
+        return None
     pos = lens[bsel] + jsel
-    rows = new[bsel, :, jsel]  # (n, Hkv, D)
+    rows = new[bsel, :, jsel]  # (n, Hkv, D), a copy
     if layout.paged:
         blk, at = table[bsel, pos // layout.block_size], pos % layout.block_size
     else:
         blk, at = bsel, pos
     if scale is not None:
-        q, s = _quantize(rows)
-        cache[blk, :, at] = q
+        return (blk, at, *_quantize(rows))
+    return blk, at, rows.astype(cache.dtype), None
+
+
+def _commit(cache, scale, staged) -> None:
+    if staged is None:
+        return
+    blk, at, values, s = staged
+    cache[blk, :, at] = values
+    if s is not None:
         scale[blk, :, at] = s
-    else:
-        cache[blk, :, at] = rows
 
 
 def _share_elements(a: np.ndarray, b: np.ndarray) -> bool:
@@ -171,7 +179,7 @@ def _cache_attention(
         raise TypeError(f"k_cache must be float32, float64, float16, bfloat16 or int8; got {cdt}")
     if not cdt.isnative:  # written and read in place: never converted
         raise TypeError(f"k_cache must be in the machine's byte order; got {cdt.str}")
-    dtype = F64 if (cdt == F64 and q.dtype == F64) else F32
+    dtype = F64 if (cdt == F64 and q.dtype.kind == "f" and q.dtype.itemsize == 8) else F32  # either byte order
     kv_type = _CACHE_KV_TYPES.get(cdt.name, 0)
     if cdt == F64 and dtype == F32:
         raise TypeError("a float64 cache needs a float64 query (float32 queries read float32/half/int8 caches)")
@@ -185,7 +193,7 @@ def _cache_attention(
             raise ValueError(f"block_table has shape {t.shape}; expected (B = {B}, max_blocks)")
         # the entries a call reads are checked below in t's own type; entries past them are
         # never read, so a wider type's cast of those does not matter
-        table = np.ascontiguousarray(t, dtype=np.int32)
+        table = np.array(t, dtype=np.int32)  # a copy: the caller's may lie in memory the call writes
     kl = _Layout(k_cache, table, B, "k_cache")
     vl = _Layout(v_cache, table, B, "v_cache")
     Hkv, Ek, Ev = k_cache.shape[1], k_cache.shape[3], v_cache.shape[3]
@@ -262,8 +270,10 @@ def _cache_attention(
 
     # Every check is done: only now is anything written.
     if counts is not None:
-        _write(k_cache, k_scale if kv_type == 3 else None, table, kl, lens, kn, counts)
-        _write(v_cache, v_scale if kv_type == 3 else None, table, vl, lens, vn, counts)
+        staged_k = _stage(k_cache, k_scale if kv_type == 3 else None, table, kl, lens, kn, counts)
+        staged_v = _stage(v_cache, v_scale if kv_type == 3 else None, table, vl, lens, vn, counts)
+        _commit(k_cache, k_scale, staged_k)
+        _commit(v_cache, v_scale, staged_v)
 
     ragged = counts is not None and new_lens is not None
     result = np.zeros((B, Hq, Lq, Ev), dtype) if (ragged or out is None) else None

@@ -112,16 +112,24 @@ def check_out(out, shape: tuple, dtype: np.dtype, name: str = "out") -> np.ndarr
     return out
 
 
+def _real(x) -> bool:
+    """A real number: a Python or NumPy int or float, or a 0-d array of one (not a bool, a string
+    or a complex)."""
+    if isinstance(x, np.ndarray):
+        return x.ndim == 0 and x.dtype.kind in "iuf"
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
 def scale_value(scale, E: int) -> float:
     """The score scale as a Python float: ``1/sqrt(E)`` for None; a real number otherwise."""
     if scale is None:
         return 1.0 / math.sqrt(E) if E > 0 else 1.0
-    if isinstance(scale, (bool, np.bool_)) or np.ndim(scale) != 0:
+    if not _real(scale):
         raise TypeError(f"scale must be a real number; got {scale!r}")
     try:
         return float(scale)
-    except (TypeError, ValueError):
-        raise TypeError(f"scale must be a real number; got {scale!r}") from None
+    except OverflowError:  # an int past float64
+        raise ValueError(f"scale must fit a float64; got {scale!r}") from None
 
 
 def int64_values(x, name: str) -> np.ndarray:
@@ -196,12 +204,12 @@ def softcap_value(softcap, dtype: np.dtype = F64) -> float:
     would be NaN)."""
     if softcap is None:
         return 0.0
-    ok = isinstance(softcap, (int, float, np.integer, np.floating)) or (
-        isinstance(softcap, np.ndarray) and softcap.ndim == 0 and softcap.dtype.kind in "iuf"
-    )
-    if isinstance(softcap, (bool, np.bool_)) or not ok:
+    if not _real(softcap):
         raise TypeError(f"softcap must be a number > 0 or None; got {type(softcap).__name__}")
-    c = float(softcap)
+    try:
+        c = float(softcap)
+    except OverflowError:  # an int past float64
+        raise ValueError(f"softcap must be a finite number > 0; got {softcap!r}") from None
     if not (0.0 < c < float("inf")):
         raise ValueError(f"softcap must be a finite number > 0; got {softcap!r}")
     limit = float(np.finfo(dtype).max) / math.log2(math.e)
@@ -238,11 +246,15 @@ def per_head(values, name: str, lead: tuple, dtype: np.dtype):
     if a.dtype.kind not in "fiu" and a.dtype.name != "bfloat16":
         raise TypeError(f"{name} must be a float array; got dtype {a.dtype}")
     b = _broadcast_named(a, lead, name, "one per query head")
-    flat = np.ascontiguousarray(b, dtype=dtype).reshape(-1)
-    with np.errstate(over="ignore"):  # the kernels take it in log2 units: finite there too
-        past = np.isfinite(flat) & ~np.isfinite(flat * flat.dtype.type(math.log2(math.e)))
+    with np.errstate(over="ignore"):  # finite as given, in the dtype and in log2 units there too
+        flat = np.ascontiguousarray(b, dtype=dtype).reshape(-1)
+        given = np.isfinite(np.asarray(b, np.float64)).reshape(-1)
+        past = given & ~np.isfinite(flat * flat.dtype.type(math.log2(math.e)))
     if past.any():
-        raise ValueError(f"{name} holds {flat[past][0]!r}, past what a {np.dtype(dtype).name} computation holds")
+        raise ValueError(
+            f"{name} holds {np.asarray(b, np.float64).reshape(-1)[past][0]!r}, past what a "
+            f"{np.dtype(dtype).name} computation holds"
+        )
     return flat
 
 

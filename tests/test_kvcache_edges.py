@@ -249,3 +249,48 @@ def test_written_arrays_that_share_memory_are_refused(pair, rng):
     with pytest.raises(ValueError, match="share memory"):
         pyattn.kvcache_attention(q, kc, vc, np.array([0]), k_new=kn, v_new=vn, **sc)
     assert _unchanged(before, kc, vc, sc["k_scale"], sc["v_scale"])
+
+
+def test_block_table_inside_written_memory_is_read_as_given(rng):
+    """A block table that lies in the value cache's memory: the call reads the ids as given (it
+    read them after v_new was written over them: blocks out of range, a segfault)."""
+    kc = rn(rng, (4, 1, 2, 4))
+    vbuf = np.zeros((4, 1, 2, 4), np.float32)
+    table = vbuf[2, 0, 1].view(np.int32)[None, :2]  # the ids lie in block 2, row 1: where the token goes
+    table[...] = [[1, 2]]
+    q, kn, vn = rn(rng, (1, 1, 1, 4)), rn(rng, (1, 1, 1, 4)), np.full((1, 1, 1, 4), 1e30, np.float32)
+    want = pyattn.kvcache_attention(q, kc.copy(), vbuf.copy(), np.array([3]), k_new=kn, v_new=vn,
+                                    block_table=np.array([[1, 2]], np.int32))  # fmt: skip
+    got = pyattn.kvcache_attention(q, kc, vbuf, np.array([3]), k_new=kn, v_new=vn, block_table=table)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_new_rows_that_are_views_of_the_cache(rng):
+    """v_new a view of the very k_cache slots being written: V gets v_new's values as they were
+    (K was written first and V then read k_new's values)."""
+    kc, vc = np.zeros((1, 1, 4, 2), np.float32), np.zeros((1, 1, 4, 2), np.float32)
+    kn = np.full((1, 1, 1, 2), 7.0, np.float32)
+    vn = kc[:, :, 1:2]  # slot 1, where the token goes: zeros before the call
+    q = np.ones((1, 1, 1, 2), np.float32)
+    pyattn.kvcache_attention(q, kc, vc, np.array([1]), k_new=kn, v_new=vn)
+    assert kc[0, 0, 1].tolist() == [7.0, 7.0] and vc[0, 0, 1].tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("cdt,bad", [(np.float16, 7e4), (np.int8, 1e-45)])
+def test_a_cast_that_raises_under_errstate_writes_nothing(cdt, bad, rng):
+    kc, vc, sc = _caches(cdt)
+    q, kn = rn(rng, (1, 1, 2, 4)), rn(rng, (1, 1, 2, 4))
+    vn = np.full((1, 1, 2, 4), bad, np.float32)
+    before = _snapshot(kc, vc, *sc.values())
+    with np.errstate(all="raise"), pytest.raises(FloatingPointError):
+        pyattn.kvcache_attention(q, kc, vc, np.array([0]), k_new=kn, v_new=vn, window=(None, None), **sc)
+    assert _unchanged(before, kc, vc, *sc.values())
+
+
+def test_big_endian_float64_query_reads_a_float64_cache(rng):
+    kc, vc = randn(rng, (1, 1, 8, 4)), randn(rng, (1, 1, 8, 4))
+    q = randn(rng, (1, 2, 1, 4))
+    want = pyattn.kvcache_attention(q, kc, vc, np.array([5]))
+    got = pyattn.kvcache_attention(q.astype(">f8"), kc, vc, np.array([5]))
+    assert got.dtype == np.float64
+    np.testing.assert_array_equal(got, want)

@@ -1486,3 +1486,31 @@ def test_float32_factors_past_the_type_are_refused(kw, name, rng):
         pyattn.kvcache_attention(q[:, :, :1], k, v, np.array([7]), **kw)
     ok = pyattn.scaled_dot_product_attention(q.astype(np.float64), k, v, **kw)  # float64 holds them
     assert not np.isnan(ok).any()
+
+
+@pytest.mark.parametrize("name", ["alibi_slopes", "sinks"])
+def test_values_past_float32_before_the_cast_are_refused(name, rng):
+    """1e39 as float64 becomes inf in a float32 call's cast: refused like 2.5e38 (it gave NaN)."""
+    q, k, v = make_problem(rng, 1, 2, 2, 5, 7, 8, 8, np.float32)
+    for lq in (1, 5):
+        with pytest.raises(ValueError, match=name):
+            pyattn.scaled_dot_product_attention(q[:, :, :lq], k, v, **{name: np.array([1e39, 1.0])})
+    ok = pyattn.scaled_dot_product_attention(q, k, v, **{name: np.array([-np.inf, 1.0])})  # inf as given
+    assert np.isfinite(ok[0, 1]).all()
+
+
+@pytest.mark.parametrize("bad", ["0.5", b"0.5", np.array("0.5"), np.array(True), np.complex64(0.5), 1j])
+def test_scale_must_be_a_real_number(bad, rng):
+    q, k, v = make_problem(rng, 1, 2, 2, 3, 7, 8, 8, np.float32)
+    with pytest.raises(TypeError, match="scale"):
+        pyattn.scaled_dot_product_attention(q, k, v, scale=bad)
+    with pytest.raises(TypeError, match="softcap"):
+        pyattn.scaled_dot_product_attention(q, k, v, softcap=bad)
+
+
+def test_huge_int_scale_or_softcap_is_a_value_error(rng):
+    q, k, v = make_problem(rng, 1, 2, 2, 3, 7, 8, 8, np.float32)
+    with pytest.raises(ValueError, match="scale"):
+        pyattn.scaled_dot_product_attention(q, k, v, scale=10**400)
+    with pytest.raises(ValueError, match="softcap"):
+        pyattn.scaled_dot_product_attention(q, k, v, softcap=10**400)
