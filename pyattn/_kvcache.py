@@ -114,7 +114,7 @@ def _stage(cache, scale, table, layout: _Layout, lens, new, counts):
         blk, at = bsel, pos
     if scale is not None:
         return (blk, at, *_quantize(rows))
-    return blk, at, rows.astype(cache.dtype), None
+    return blk, at, rows.astype(cache.dtype, copy=False), None  # rows is already a copy
 
 
 def _commit(cache, scale, staged) -> None:
@@ -131,7 +131,7 @@ def _share_elements(a: np.ndarray, b: np.ndarray) -> bool:
     buffer do not); a layout too intricate to decide counts as shared."""
     try:
         return bool(np.shares_memory(a, b, max_work=1 << 20))
-    except np.exceptions.TooHardError:
+    except getattr(np, "exceptions", np).TooHardError:  # np.exceptions from NumPy 1.25
         return True
 
 
