@@ -250,11 +250,12 @@ bool window_sides(PyObject* o, index_t& left, index_t& right) {
   return window_side(PyTuple_GET_ITEM(o, 0), left) && window_side(PyTuple_GET_ITEM(o, 1), right);
 }
 
+constexpr double kLog2e = 1.4426950408889634074;  // the kernels' log2 units (frame/common.h)
+
 // Whether the kernels' factors fit the computation's type: scale * log2(e) over the cap in log2
 // units, and the cap in log2 units (_validate.kernel_factors). The everyday call (no cap, a
 // scale far inside the type) costs two comparisons.
 bool factors_fit(double scale, double cap, bool f32) {
-  constexpr double kLog2e = 1.4426950408889634;
   const double hi = f32 ? double(std::numeric_limits<float>::max()) : std::numeric_limits<double>::max();
   if (cap == 0.0 && std::fabs(scale) <= 1e30) return true;
   const double lo = f32 ? double(std::numeric_limits<float>::min()) : std::numeric_limits<double>::min();
@@ -316,7 +317,7 @@ bool per_head(PyObject* o, index_t Hq, index_t bh, std::vector<T>& buf, const vo
     const double given = typenum == kFloat32 ? double(read_at<float>(e)) : read_at<double>(e);
     const T x = T(given);
     // the kernels take it in T, in log2 units: a finite value that overflows there is refused (Python)
-    if (std::isfinite(given) && !std::isfinite(x * T(1.4426950408889634))) return false;
+    if (std::isfinite(given) && !std::isfinite(x * T(kLog2e))) return false;
     buf[std::size_t(i)] = x;
   }
   ptr = buf.data();
@@ -396,9 +397,8 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   index_t win_left, win_right;
   double cap;
   if (!window_sides(args[8], win_left, win_right) || !softcap_of(args[9], cap)) Py_RETURN_NONE;
-  // held in log2 units in the query's type: a cap that overflows there is refused by the general path
-  // and the query's scale factor (scale * log2(e), over the cap in log2 units) with it: a finite
-  // scale or cap past what the type holds is refused by the general path (_validate.kernel_factors)
+  // the cap and the query's scale factor in log2 units in the query's type: past what it holds,
+  // the general path refuses them (_validate.kernel_factors)
   if (!factors_fit(scale, cap, q.typenum == kFloat32)) Py_RETURN_NONE;
   const void *slopes = nullptr, *sinks = nullptr;
   const index_t* kv_lens = nullptr;
@@ -635,18 +635,18 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
     if (kn.strides[3] != kn.itemsize || vn.strides[3] != vn.itemsize) Py_RETURN_NONE;
     if (!writable(args[1]) || !writable(args[2]) || (kv == 3 && !(writable(args[10]) && writable(args[11]))))
       Py_RETURN_NONE;
-    if (overlap(kn, kc) || overlap(kn, vc) || overlap(vn, kc) || overlap(vn, vc) || overlap(kc, vc)) Py_RETURN_NONE;
     if (kv && !(storable(kn, B, Hkv, Lq, E, kv) && storable(vn, B, Hkv, Lq, Ev, kv))) Py_RETURN_NONE;
-    if (kv == 3) {
-      for (const View* x : {&kn, &vn})
-        for (const View* y : {&ks, &vs})
-          if (overlap(*x, *y)) Py_RETURN_NONE;
-      if (overlap(ks, vs) || overlap(ks, kc) || overlap(ks, vc) || overlap(vs, kc) || overlap(vs, vc)) Py_RETURN_NONE;
+    // What is written (the caches, an int8 cache's scales) overlaps nothing else written, nor
+    // what is read while writing: the new rows, the lengths, the table.
+    const View* written[] = {&kc, &vc, &ks, &vs};
+    for (int i = 0; i < 4; ++i) {
+      const View& w = *written[i];
+      if (!w.data) continue;  // no scales
+      bool clash = overlap(kn, w) || overlap(vn, w) || overlap(w, lens_data, B, lens_s, 8) ||
+                   (paged && overlap(w, table, B * tcols, 1, 4));
+      for (int j = 0; j < i; ++j) clash = clash || (written[j]->data && overlap(w, *written[j]));
+      if (clash) Py_RETURN_NONE;
     }
-    // The lengths and the table are read while the tokens are written: not inside what is written.
-    for (const View* w : {&kc, &vc, &ks, &vs})
-      if (w->data && (overlap(*w, lens_data, B, lens_s, 8) || (paged && overlap(*w, table, B * tcols, 1, 4))))
-        Py_RETURN_NONE;
   }
   index_t Lk = 0;
   for (index_t b = 0; b < B; ++b) {

@@ -144,7 +144,7 @@ def scaled_dot_product_attention(
     if causal_align not in _CAUSAL_ALIGNS:
         raise ValueError(f"causal_align must be 'top_left' or 'bottom_right'; got {causal_align!r}")
     win_left, win_right = window_sides(window)
-    cap = softcap_value(softcap, dtype)
+    cap = softcap_value(softcap)
 
     group = 1
     if enable_gqa:

@@ -135,6 +135,14 @@ def _share_elements(a: np.ndarray, b: np.ndarray) -> bool:
         return True
 
 
+def _check_capacity(keys: np.ndarray, capacity: int) -> None:
+    if keys.size and keys.max() > capacity:
+        b = int(np.argmax(keys))
+        raise ValueError(
+            f"cache overflow: sequence {b} would hold {keys[b]} tokens; the cache holds {capacity} per sequence"
+        )
+
+
 def _check_written(cache, name):
     if not cache.flags.writeable:
         raise ValueError(f"{name} is read-only; new tokens are written into it in place")
@@ -205,11 +213,7 @@ def _cache_attention(
         raise ValueError(f"query heads ({Hq}) must be a multiple of the cache's kv heads ({Hkv})")
     group = Hq // Hkv
     lens = _int_vector(cache_lens, "cache_lens", B)
-    if B and lens.max() > kl.capacity:  # before lens + counts, which could overflow
-        b = int(np.argmax(lens))
-        raise ValueError(
-            f"cache overflow: sequence {b} would hold {lens[b]} tokens; the cache holds {kl.capacity} per sequence"
-        )
+    _check_capacity(lens, kl.capacity)  # before lens + counts, which could overflow
 
     ksl = vsl = None
     if kv_type == 3:
@@ -238,11 +242,7 @@ def _cache_attention(
             raise ValueError("new_lens needs k_new / v_new")
         counts = None
         keys = lens
-    if B and keys.max(initial=0) > kl.capacity:
-        b = int(np.argmax(keys))
-        raise ValueError(
-            f"cache overflow: sequence {b} would hold {keys[b]} tokens; the cache holds {kl.capacity} per sequence"
-        )
+    _check_capacity(keys, kl.capacity)
     if table is not None and B:
         need = (keys + kl.block_size - 1) // kl.block_size
         used = np.arange(table.shape[1])[None, :] < need[:, None]
@@ -250,7 +250,7 @@ def _cache_attention(
         if ids.size and (ids.min() < 0 or ids.max() >= k_cache.shape[0]):
             raise ValueError(f"block_table names a block outside [0, {k_cache.shape[0]}) for the tokens it must hold")
     win_left, win_right = window_sides(window)
-    cap = softcap_value(softcap, dtype)
+    cap = softcap_value(softcap)
     lead = (B, Hq)
     slopes = per_head(alibi_slopes, "alibi_slopes", lead, dtype)
     sink = per_head(sinks, "sinks", lead, dtype)
@@ -586,7 +586,7 @@ def varlen_attention(
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length; got {cq.size} and {ck.size}")
     B, group = cq.size - 1, Hq // Hkv
     win_left, win_right = window_sides(window)
-    cap = softcap_value(softcap, dtype)
+    cap = softcap_value(softcap)
     slopes = per_head(alibi_slopes, "alibi_slopes", (Hq,), dtype)
     sink = per_head(sinks, "sinks", (Hq,), dtype)
     if out is not None:

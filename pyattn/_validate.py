@@ -198,10 +198,9 @@ def window_sides(window) -> tuple:
     return sides[0], sides[1]
 
 
-def softcap_value(softcap, dtype: np.dtype = F64) -> float:
-    """``softcap`` as a float > 0, or 0.0 for None. The kernels hold it in log2 units in the
-    computation's dtype, so a float32 call refuses a cap that would overflow there (inf * tanh(0)
-    would be NaN)."""
+def softcap_value(softcap) -> float:
+    """``softcap`` as a float > 0, or 0.0 for None (its range in the computation's dtype:
+    kernel_factors)."""
     if softcap is None:
         return 0.0
     if not _real(softcap):
@@ -212,9 +211,6 @@ def softcap_value(softcap, dtype: np.dtype = F64) -> float:
         raise ValueError(f"softcap must be a finite number > 0; got {softcap!r}") from None
     if not (0.0 < c < float("inf")):
         raise ValueError(f"softcap must be a finite number > 0; got {softcap!r}")
-    limit = float(np.finfo(dtype).max) / math.log2(math.e)
-    if c > limit:
-        raise ValueError(f"softcap must be at most {limit:.4g} in a {np.dtype(dtype).name} computation; got {c!r}")
     return c
 
 
@@ -222,8 +218,13 @@ def kernel_factors(scale: float, cap: float, dtype: np.dtype) -> None:
     """The kernels fold ``scale * log2(e)`` (over the cap in log2 units, with a softcap) into the
     query and hold the cap in log2 units, in the computation's dtype: a finite scale or a cap whose
     factor overflows there (or a cap that is not a normal number there) would give NaN, so it is
-    refused. A NaN or infinite scale passes (it propagates)."""
+    refused (inf * tanh(0) or inf * 0 would be NaN). A NaN or infinite scale passes (it propagates)."""
     info, log2e = np.finfo(dtype), math.log2(math.e)
+    if cap * log2e > float(info.max):
+        raise ValueError(
+            f"softcap must be at most {float(info.max) / log2e:.4g} in a {np.dtype(dtype).name} computation; "
+            f"got {cap!r}"
+        )
     if cap > 0 and cap * log2e < float(info.tiny):
         raise ValueError(
             f"softcap must be at least {float(info.tiny) / log2e:.4g} in a {np.dtype(dtype).name} computation; "
@@ -246,15 +247,12 @@ def per_head(values, name: str, lead: tuple, dtype: np.dtype):
     if a.dtype.kind not in "fiu" and a.dtype.name != "bfloat16":
         raise TypeError(f"{name} must be a float array; got dtype {a.dtype}")
     b = _broadcast_named(a, lead, name, "one per query head")
+    given = np.asarray(b, np.float64).reshape(-1)
     with np.errstate(over="ignore"):  # finite as given, in the dtype and in log2 units there too
         flat = np.ascontiguousarray(b, dtype=dtype).reshape(-1)
-        given = np.isfinite(np.asarray(b, np.float64)).reshape(-1)
-        past = given & ~np.isfinite(flat * flat.dtype.type(math.log2(math.e)))
+        past = np.isfinite(given) & ~np.isfinite(flat * flat.dtype.type(math.log2(math.e)))
     if past.any():
-        raise ValueError(
-            f"{name} holds {np.asarray(b, np.float64).reshape(-1)[past][0]!r}, past what a "
-            f"{np.dtype(dtype).name} computation holds"
-        )
+        raise ValueError(f"{name} holds {given[past][0]!r}, past what a {np.dtype(dtype).name} computation holds")
     return flat
 
 

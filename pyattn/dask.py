@@ -519,9 +519,10 @@ def scaled_dot_product_attention(
     _check_chunks(k_chunks, [("value", v)], n, "Lk")
     _check_chunks(k_chunks, [("attn_mask", m)], n + 1, "Lk")
 
-    kernel_factors(scale_value(scale, E), softcap_value(softcap, dtype), dtype)  # as the NumPy call will
+    scale = scale_value(scale, E)
+    kernel_factors(scale, softcap_value(softcap), dtype)  # refused here as the NumPy calls would
     p = _Piece(
-        scale=scale_value(scale, E),
+        scale=scale,
         softcap=softcap, L=L, R=R, dtype=np.dtype(dtype), ev=Ev, group=group,
     )  # fmt: skip
     slopes = None if alibi_slopes is None else np.broadcast_to(np.asarray(alibi_slopes, _F64), lead)
