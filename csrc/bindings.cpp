@@ -303,9 +303,11 @@ S read_at(const char* p) {
 
 // A per-head quantity (ALiBi slopes, sinks): None, or a 1-D float32/float64 array of Hq values,
 // written out for every problem (problem i is head i % Hq) in the compute type T, as
-// _validate.per_head (NumPy's cast rounds to nearest, as static_cast does).
+// _validate.per_head (NumPy's cast rounds to nearest, as static_cast does). Slopes give span > 0,
+// the query-key distance bound: a bias past the integers T holds exactly declines
+// (_validate.alibi_span).
 template <class T>
-bool per_head(PyObject* o, index_t Hq, index_t bh, std::vector<T>& buf, const void*& ptr) {
+bool per_head(PyObject* o, index_t Hq, index_t bh, std::vector<T>& buf, const void*& ptr, double span = 0.0) {
   ptr = nullptr;
   if (o == Py_None) return true;
   int typenum = 0, itemsize = 0;
@@ -318,6 +320,8 @@ bool per_head(PyObject* o, index_t Hq, index_t bh, std::vector<T>& buf, const vo
     const T x = T(given);
     // the kernels take it in T, in log2 units: a finite value that overflows there is refused (Python)
     if (std::isfinite(given) && !std::isfinite(x * T(kLog2e))) return false;
+    constexpr double exact = double(std::uint64_t(1) << std::numeric_limits<T>::digits);
+    if (std::isfinite(given) && std::fabs(given) * span * kLog2e > exact) return false;
     buf[std::size_t(i)] = x;
   }
   ptr = buf.data();
@@ -410,11 +414,13 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     thread_local std::vector<index_t> lens;
     if (nlead == 0) Py_RETURN_NONE;  // per-head values need a heads axis
     const index_t Hq = q.shape[nlead - 1];
+    const double span = double(Lq) + double(Lk);
     index_t bh = 1;
     for (int i = 0; i < nlead; ++i) bh *= index_t(q.shape[i]);
-    const bool ok = q.typenum == kFloat32
-                        ? per_head(args[10], Hq, bh, slopes32, slopes) && per_head(args[11], Hq, bh, sinks32, sinks)
-                        : per_head(args[10], Hq, bh, slopes64, slopes) && per_head(args[11], Hq, bh, sinks64, sinks);
+    const bool ok =
+        q.typenum == kFloat32
+            ? per_head(args[10], Hq, bh, slopes32, slopes, span) && per_head(args[11], Hq, bh, sinks32, sinks)
+            : per_head(args[10], Hq, bh, slopes64, slopes, span) && per_head(args[11], Hq, bh, sinks64, sinks);
     if (!ok || !key_counts(args[12], q, Lk, lens, kv_lens)) Py_RETURN_NONE;
   }
 
@@ -648,18 +654,26 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
       if (clash) Py_RETURN_NONE;
     }
   }
+  // The lengths and the table entries in use are copied before they are checked: the GIL is
+  // dropped in the kernel, and another thread changing the caller's arrays must not change what
+  // was checked (a block index out of range, or a length past the capacity).
+  thread_local std::vector<index_t> held;
+  thread_local std::vector<std::int32_t> blocks;
+  held.resize(std::size_t(B));
+  if (paged) blocks.resize(std::size_t(B * tcols));
   index_t Lk = 0;
   for (index_t b = 0; b < B; ++b) {
-    const index_t n = lens_data[b * lens_s];
+    const index_t n = held[std::size_t(b)] = lens_data[b * lens_s];
     if (n < 0 || n > capacity - (append ? Lq : 0)) Py_RETURN_NONE;  // (n + Lq could overflow)
     const index_t keys = n + (append ? Lq : 0);
     Lk = keys > Lk ? keys : Lk;
     if (paged)
       for (index_t i = 0, need = (keys + bsize - 1) / bsize; i < need; ++i) {
-        const std::int32_t blk = table[b * tcols + i];
+        const std::int32_t blk = blocks[std::size_t(b * tcols + i)] = table[b * tcols + i];
         if (blk < 0 || blk >= kc.shape[0]) Py_RETURN_NONE;
       }
   }
+  if (paged) table = blocks.data();
   double scale;
   if (args[7] == Py_None) {
     scale = 1.0 / std::sqrt(double(E));
@@ -677,7 +691,7 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
         for (index_t b = 0; b < B; ++b)
           for (index_t h = 0; h < Hkv; ++h)
             for (index_t j = 0; j < Lq; ++j) {
-              const index_t pos = lens_data[b * lens_s] + j;
+              const index_t pos = held[std::size_t(b)] + j;
               const index_t blk = paged ? table[b * tcols + pos / bsize] : b, row = paged ? pos % bsize : pos;
               char* to = dst.data + blk * dst.strides[0] + h * dst.strides[1] + row * dst.strides[2];
               const char* from = src.data + b * src.strides[0] + h * src.strides[1] + j * src.strides[2];
@@ -718,7 +732,7 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
         voff[i] = (paged ? 0 : b * elems(vc, 0)) + (h / group) * elems(vc, 1);
         ooff[i] = i * Lq * Ev;
         lseoff[i] = i * Lq;
-        kv_lens[i] = lens_data[b * lens_s] + (append ? Lq : 0);
+        kv_lens[i] = held[std::size_t(b)] + (append ? Lq : 0);
         bt_off[i] = b * tcols;
         if (kv == 3) {
           ksoff[i] = (paged ? 0 : b * elems(ks, 0)) + (h / group) * elems(ks, 1);

@@ -20,6 +20,7 @@ from . import _core
 from ._validate import (
     F32,
     F64,
+    alibi_span,
     broadcast,
     broadcast_lead,
     cast,
@@ -189,6 +190,7 @@ def scaled_dot_product_attention(
         m = strided_ok(m)
 
     slopes = per_head(alibi_slopes, "alibi_slopes", lead, dtype)
+    alibi_span(slopes, Lq + Lk, dtype)
     sink = per_head(sinks, "sinks", lead, dtype)
     lens = key_counts(kv_lens, lead, Lk)
 

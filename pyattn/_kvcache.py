@@ -8,12 +8,15 @@ ever concatenated or gathered into a copy.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from . import _core
 from ._validate import (
     F32,
     F64,
+    alibi_span,
     check_out,
     compute_dtype,
     float_array,
@@ -199,9 +202,12 @@ def _cache_attention(
             raise TypeError(f"block_table must be an integer array; got dtype {t.dtype}")
         if t.ndim != 2 or t.shape[0] != B:
             raise ValueError(f"block_table has shape {t.shape}; expected (B = {B}, max_blocks)")
-        # the entries a call reads are checked below in t's own type; entries past them are
-        # never read, so a wider type's cast of those does not matter
-        table = np.array(t, dtype=np.int32)  # a copy: the caller's may lie in memory the call writes
+        # A snapshot, checked below in t's own type (entries past those a call reads are never
+        # read, so a wider type's cast of those does not matter) and then cast: the caller's
+        # table may lie in memory the call writes, or change in another thread while the kernel
+        # runs without the GIL; the kernel reads only what was checked.
+        t = np.array(t)
+        table = t.astype(np.int32)
     kl = _Layout(k_cache, table, B, "k_cache")
     vl = _Layout(v_cache, table, B, "v_cache")
     Hkv, Ek, Ev = k_cache.shape[1], k_cache.shape[3], v_cache.shape[3]
@@ -253,6 +259,7 @@ def _cache_attention(
     cap = softcap_value(softcap)
     lead = (B, Hq)
     slopes = per_head(alibi_slopes, "alibi_slopes", lead, dtype)
+    alibi_span(slopes, int(keys.max(initial=0)) + Lq, dtype)
     sink = per_head(sinks, "sinks", lead, dtype)
     if out is not None:
         check_out(out, (B, Hq, Lq, Ev), dtype)
@@ -390,6 +397,9 @@ class KVCache:
     tokens per block, blocks allocated as sequences grow and reused once freed by ``reset``; with
     ``max_len`` the pool is sized for it up front, otherwise it doubles when it runs out, which
     copies the pool: amortised O(1) per token). Any cache dtype of ``kvcache_attention``.
+
+    One cache may be shared by several threads: ``attend`` and ``reset`` hold its lock, so calls
+    on one cache run one after the other (calls on different caches still run at once).
     """
 
     def __init__(
@@ -402,11 +412,17 @@ class KVCache:
         self.dtype = np.dtype(dtype)
         if self.dtype.name not in ("float32", "float64", "float16", "bfloat16", "int8"):
             raise TypeError(f"dtype must be float32, float64, float16, bfloat16 or int8; got {self.dtype}")
+        if not self.dtype.isnative:  # kvcache_attention refuses such a cache on every call
+            raise TypeError(f"dtype must be in the machine's byte order; got {self.dtype.str!r}")
         if max_len is None and block_size is None:
             raise ValueError("give max_len (a contiguous cache) or block_size (a paged one)")
         self.max_len = None if max_len is None else positive_int(max_len, "max_len")
         self.block_size = None if block_size is None else positive_int(block_size, "block_size")
         self._lens = np.zeros(self.batch, np.int64)
+        # attend reads the lengths and the block table, drops the GIL in the kernel and then
+        # stores the new lengths: two threads at once would write the same rows (or a reset
+        # would free blocks the kernel is reading)
+        self._lock = threading.Lock()
         if self.block_size is None:
             self._alloc(self.batch, self.max_len)
             self.block_table = None
@@ -435,8 +451,21 @@ class KVCache:
         parts = [self.k, self.v, self.k_scale, self.v_scale, self.block_table]
         return int(sum(p.nbytes for p in parts if p is not None))
 
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def reset(self, rows=None):
         """Empty the given sequences (all when None); a paged cache frees their blocks for reuse."""
+        with self._lock:
+            self._reset(rows)
+
+    def _reset(self, rows):
         idx = np.arange(self.batch) if rows is None else np.atleast_1d(np.asarray(rows))
         if idx.size == 0:  # np.asarray([]) is float64: no rows, nothing to do
             return
@@ -489,6 +518,10 @@ class KVCache:
         sequence b appends only its first ``new_lens[b]`` tokens (a ragged prefill in one padded
         call): its query rows past them are padding and come back as zeros. ``variants``: scale,
         is_causal, window, softcap, alibi_slopes, sinks, return_lse, out."""
+        with self._lock:
+            return self._attend(query, k_new, v_new, new_lens, variants)
+
+    def _attend(self, query, k_new, v_new, new_lens, variants):
         Lq = np.shape(query)[-2] if np.ndim(query) == 4 else 0
         counts = (
             np.full(self.batch, Lq, np.int64) if new_lens is None else _int_vector(new_lens, "new_lens", self.batch)
@@ -588,6 +621,7 @@ def varlen_attention(
     win_left, win_right = window_sides(window)
     cap = softcap_value(softcap)
     slopes = per_head(alibi_slopes, "alibi_slopes", (Hq,), dtype)
+    alibi_span(slopes, int(np.max(np.diff(cq) + np.diff(ck), initial=0)), dtype)
     sink = per_head(sinks, "sinks", (Hq,), dtype)
     if out is not None:
         check_out(out, (Tq, Hq, Ev), dtype)

@@ -238,6 +238,29 @@ def kernel_factors(scale: float, cap: float, dtype: np.dtype) -> None:
         )
 
 
+def alibi_span(slopes, span: int, dtype: np.dtype) -> None:
+    """ALiBi biases reach ``|slope| * span`` (``span`` bounds the query-key distance). The kernels
+    track each row's running maximum, bias included, in log2 units in the computation's dtype and
+    rescale by powers of two computed from it; past 2**24 (float32; 2**53 in float64) those
+    values are no longer exact integers and rows lose all their weight or overflow, so such
+    slopes are refused (realistic slopes are at most 1: a float32 call takes slopes up to 11 at a
+    million keys)."""
+    if slopes is None or span <= 0:
+        return
+    s = np.abs(np.asarray(slopes, np.float64))
+    s = s[np.isfinite(s)]
+    if not s.size:
+        return
+    limit = 2.0 ** (np.finfo(dtype).nmant + 1)
+    top = float(s.max())
+    if top * span * math.log2(math.e) > limit:
+        most = limit / (span * math.log2(math.e))
+        raise ValueError(
+            f"alibi_slopes holds {top!r}: over {span} key positions its bias passes what a "
+            f"{np.dtype(dtype).name} computation holds exactly (|slope| at most {most:.4g} here)"
+        )
+
+
 def per_head(values, name: str, lead: tuple, dtype: np.dtype):
     """A per-(batch, head) quantity (ALiBi slopes, sinks) broadcast to ``lead`` = (..., Hq) and
     flattened in the core's problem order (contiguous, ``dtype``); None stays None."""
@@ -271,7 +294,7 @@ def key_counts(kv_lens, lead: tuple, Lk: int):
     as one int64 count per (batch, head) problem; None stays None."""
     if kv_lens is None:
         return None
-    a = np.asarray(kv_lens)
+    a = np.array(kv_lens)  # a snapshot: what is checked here is what the kernel reads without the GIL
     if a.dtype.kind not in "iu":
         raise TypeError(f"kv_lens must be an integer array; got dtype {a.dtype}")
     batch = lead[:-1]

@@ -33,7 +33,7 @@ import numpy as np
 
 from ._api import scaled_dot_product_attention as _sdpa
 from ._merge import merge_states_f64
-from ._validate import NO_LIMIT, kernel_factors, scale_value, softcap_value, window_sides
+from ._validate import NO_LIMIT, alibi_span, kernel_factors, scale_value, softcap_value, window_sides
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -526,6 +526,7 @@ def scaled_dot_product_attention(
         softcap=softcap, L=L, R=R, dtype=np.dtype(dtype), ev=Ev, group=group,
     )  # fmt: skip
     slopes = None if alibi_slopes is None else np.broadcast_to(np.asarray(alibi_slopes, _F64), lead)
+    alibi_span(slopes, Lq + Lk, dtype)
     sink_v = None if sinks is None else np.broadcast_to(np.asarray(sinks, _F64), lead)
     lens = None
     if kv_lens is not None:

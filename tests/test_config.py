@@ -224,3 +224,21 @@ def test_num_threads_restores_an_unset_count():
     env = dict(os.environ, OMP_NUM_THREADS="2")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_default_thread_count_is_bounded():
+    """OMP_NUM_THREADS=100000 became pyattn's count unchecked (a call started 190 threads), where
+    set_num_threads refuses past max(16, 4 x CPUs): the default is held to the same bound."""
+    code = (
+        "import os, numpy as np, pyattn\n"
+        "cpus = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()\n"
+        "print(pyattn.get_num_threads(), max(16, 4 * cpus))\n"
+        "q = np.ones((1, 2, 256, 16), np.float32)\n"
+        "assert np.isfinite(pyattn.scaled_dot_product_attention(q, q, q)).all()\n"
+    )
+    for value, bounded in (("100000", True), ("3", False)):
+        env = dict(os.environ, OMP_NUM_THREADS=value)
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        got, bound = map(int, r.stdout.split())
+        assert got == (bound if bounded else 3)

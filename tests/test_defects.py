@@ -303,6 +303,56 @@ def test_fork_before_parallel_call_keeps_thread_count():
     _assert_computed(res["parent"], 2, "parent after the fork")
 
 
+_FORK_AFTER_FOREIGN = (
+    _FORK_PRELUDE
+    + r"""
+import ctypes
+if sys.argv[1] == "torch":  # torch's wheel ships a libgomp.so.1: one runtime, shared with pyattn
+    import torch
+    torch.set_num_threads(2)
+    x = torch.rand(4_000_000)
+    for _ in range(3):
+        (x * 2 + 1).sum()  # teams in torch's parallel_for
+else:  # any other library's team in pyattn's runtime
+    import pyattn._core as core
+    maps = open("/proc/self/maps").read().splitlines()
+    gomp = sorted({l.split()[-1] for l in maps if "libgomp" in l.split()[-1]})
+    if not gomp:
+        print(json.dumps({"skip": "pyattn's core runs on no libgomp here"}))
+        sys.exit(0)
+    lib = ctypes.CDLL(gomp[0])
+    body = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _: None)
+    lib.GOMP_parallel.argtypes = [type(body), ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+    lib.GOMP_parallel(body, None, 2, 0)  # a two-thread team: the runtime starts its pool
+pyattn.set_num_threads(2)
+res = {"child": in_forked_child()}
+with pyattn.num_threads(2):
+    res["parent"] = compute()
+print(json.dumps(res))
+"""
+)
+
+
+@needs_fork
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="libgomp's pool: Linux")
+@pytest.mark.parametrize("team", ["GOMP_parallel", "torch"])
+def test_fork_after_another_librarys_team_computes(team):
+    """A child forked after torch (or any library sharing pyattn's libgomp) ran a team hung in its
+    first parallel pyattn call: it inherited a pool whose threads fork did not copy. pyattn never
+    ran a team in the parent, so the child keeps the full thread count."""
+    if team == "torch":
+        pytest.importorskip("torch")
+    rc, out, err = run_python(_FORK_AFTER_FOREIGN, argv=[sys.executable, "-c", _FORK_AFTER_FOREIGN, team])
+    assert rc == 0, f"exit {rc}\nstderr:\n{err[-3000:]}"
+    res = last_json(out, err)
+    if "skip" in res:
+        pytest.skip(res["skip"])
+    child = res["child"]
+    assert child["status"] == 0, f"child ended with wait status {child['status']} (14 = SIGALRM: hung)"
+    _assert_computed(child["result"], 2, "child forked after another library's team")
+    _assert_computed(res["parent"], 2, "parent after the fork")
+
+
 # --------------------------------------------------------------------------- 3. out of memory
 
 needs_rlimit = pytest.mark.skipif(

@@ -294,3 +294,131 @@ def test_big_endian_float64_query_reads_a_float64_cache(rng):
     got = pyattn.kvcache_attention(q.astype(">f8"), kc, vc, np.array([5]))
     assert got.dtype == np.float64
     np.testing.assert_array_equal(got, want)
+
+
+# --------------------------------------------------------------------------- threads
+
+import copy  # noqa: E402
+import pickle  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+
+
+@pytest.mark.parametrize("block_size", [None, 4])
+def test_kvcache_shared_by_threads(block_size, rng):
+    """Two threads appending to one KVCache each read the lengths, ran the kernel without the GIL
+    and stored their own lengths + 1: tokens were lost (6,403 of 8,400); a reset during an attend
+    freed blocks the kernel was reading (a crash). The cache's lock runs them one at a time."""
+    B, H, D, steps = 2, 2, 8, 60
+    cache = pyattn.KVCache(B, H, D, block_size=block_size, max_len=None if block_size else 4 * steps)
+    q, k = rn(rng, (B, H, 1, D)), rn(rng, (B, H, 1, D))
+    errors = []
+
+    def appender():
+        try:
+            for _ in range(steps):
+                cache.attend(q, k, k)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=appender) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    np.testing.assert_array_equal(cache.lens, [3 * steps] * B)
+    # every token was written once, at its own position: the keys held are 3 * steps copies of k
+    got = cache.attend(q, k, k, return_lse=True)[1]
+    want = pyattn.reference.scaled_dot_product_attention(
+        q, np.repeat(k, 3 * steps + 1, axis=2), np.repeat(k, 3 * steps + 1, axis=2), return_lse=True
+    )[1]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+    if block_size:  # resets racing appends: no crash, and every row's blocks are its own
+        stop = threading.Event()
+
+        def resetter():
+            while not stop.is_set():
+                cache.reset([0])
+
+        t = threading.Thread(target=resetter)
+        t.start()
+        try:
+            for _ in range(200):
+                cache.attend(q, k, k)
+        finally:
+            stop.set()
+            t.join()
+        held = cache.block_table[cache.block_table >= 0]
+        assert len(np.unique(held)) == held.size
+
+
+def test_kvcache_copies_and_pickles(rng):
+    """The lock is per cache: a deep copy or a pickled cache gets its own and keeps the tokens."""
+    cache = pyattn.KVCache(1, 1, 4, block_size=2)
+    q, k = rn(rng, (1, 1, 3, 4)), rn(rng, (1, 1, 3, 4))
+    want = cache.attend(q, k, k)
+    for twin in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
+        assert twin._lock is not cache._lock
+        np.testing.assert_array_equal(twin.lens, [3])
+        np.testing.assert_array_equal(twin.attend(q[:, :, :1], k[:, :, :1], k[:, :, :1]).shape, (1, 1, 1, 4))
+    assert want.shape == (1, 1, 3, 4)
+
+
+def test_kvcache_refuses_a_foreign_byte_order():
+    """KVCache(dtype='>f4') was made, and every attend then failed on the byte order."""
+    with pytest.raises(TypeError, match="byte order"):
+        pyattn.KVCache(1, 1, 4, max_len=8, dtype=">f4")
+    assert pyattn.KVCache(1, 1, 4, max_len=8, dtype="<f4").dtype == np.float32
+
+
+_TABLE_RACE = r"""
+import threading, time, numpy as np, pyattn
+rng = np.random.default_rng(0)
+B, H, D, bs, nblk = 1, 4, 32, 16, 256
+kc = rng.standard_normal((nblk, H, bs, D), dtype=np.float32)
+lens = np.array([nblk * bs], np.int64)
+table = np.arange(nblk, dtype=np.int32)[None, :].copy()
+kv_lens = np.array([nblk * bs], np.int64)
+stop = threading.Event()
+
+def writer():  # another thread rewrites the caller's table and lengths while the kernels run
+    while not stop.is_set():
+        table[0, 10:] = -(1 << 30)
+        kv_lens[0] = 1 << 40
+        time.sleep(0.0002)
+        table[0, 10:] = np.arange(10, nblk, dtype=np.int32)
+        kv_lens[0] = nblk * bs
+        time.sleep(0.0002)
+
+t = threading.Thread(target=writer)
+t.start()
+try:
+    for i in range(150):
+        for lq in (1, 48):  # the C path and the general one
+            q = rng.standard_normal((B, H, lq, D), dtype=np.float32)
+            try:
+                pyattn.kvcache_attention(q, kc, kc, lens, block_table=table)
+            except ValueError:
+                pass  # the snapshot held a bad entry: refused
+            k = kc[:B].reshape(B, H, bs, D)
+            try:
+                pyattn.scaled_dot_product_attention(q, k, k, kv_lens=kv_lens)
+            except ValueError:
+                pass
+finally:
+    stop.set()
+    t.join()
+print("ok")
+"""
+
+
+def test_inputs_changed_by_another_thread_mid_call():
+    """The C path checked the caller's block table and then read it in place without the GIL, and
+    the general path checked the caller's table (and kv_lens) but the kernel read a copy taken
+    apart from the check: a table or lengths rewritten by another thread meanwhile made the
+    kernel read out of bounds (a crash, 3 runs of 3). What is checked is now what is read."""
+    r = subprocess.run([sys.executable, "-c", _TABLE_RACE], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, f"exit {r.returncode}\n{r.stderr[-2000:]}"

@@ -1484,8 +1484,61 @@ def test_float32_factors_past_the_type_are_refused(kw, name, rng):
             pyattn.scaled_dot_product_attention(q[:, :, :lq], k, v, **kw)
     with pytest.raises(ValueError, match=name):
         pyattn.kvcache_attention(q[:, :, :1], k, v, np.array([7]), **kw)
+    if name == "alibi_slopes":  # a bias of 2.5e38 per position is past float64's exact integers too
+        with pytest.raises(ValueError, match=name):
+            pyattn.scaled_dot_product_attention(q.astype(np.float64), k, v, **kw)
+        return
     ok = pyattn.scaled_dot_product_attention(q.astype(np.float64), k, v, **kw)  # float64 holds them
     assert not np.isnan(ok).any()
+
+
+def _slope_limit(dtype, span):
+    return 2.0 ** (np.finfo(dtype).nmant + 1) / (span * math.log2(math.e))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_alibi_slopes_past_exact_biases_are_refused(dtype, rng):
+    """Slopes of 1e8 over 18 positions (float32) made whole rows zeros or inf with every key
+    visible: the running maximum in log2 units, bias included, is past the integers the type
+    holds exactly. Refused on every path (C fast path Lq 1, general, kvcache, varlen, KVCache)
+    just past the limit; just under it the results match the reference."""
+    Lq, Lk = 5, 13
+    q, k, v = make_problem(rng, 1, 2, 2, Lq, Lk, 8, 8, dtype)
+    for lq in (1, Lq):
+        span = lq + Lk
+        over = np.array([0.5, -1.01 * _slope_limit(dtype, span)])
+        with pytest.raises(ValueError, match="alibi_slopes"):
+            pyattn.scaled_dot_product_attention(q[:, :, :lq], k, v, alibi_slopes=over)
+        under = np.array([0.5, -0.99 * _slope_limit(dtype, span)])
+        for kw in ({}, dict(is_causal=True, causal_align="bottom_right")):
+            got, lse = pyattn.scaled_dot_product_attention(
+                q[:, :, :lq], k, v, alibi_slopes=under, return_lse=True, **kw
+            )
+            want, wl = reference.scaled_dot_product_attention(
+                q[:, :, :lq], k, v, alibi_slopes=under, return_lse=True, **kw
+            )
+            assert_close(got, want)
+            np.testing.assert_allclose(lse, wl, rtol=1e-6 if dtype == np.float32 else 1e-12)
+    # kvcache_attention: the span is the keys held after the append plus the queries
+    kc, vc = np.zeros((1, 2, 16, 8), dtype), np.zeros((1, 2, 16, 8), dtype)
+    kc[:, :, :Lk], vc[:, :, :Lk] = k, v
+    before = kc.copy()
+    over = np.array([0.5, 1.01 * _slope_limit(dtype, Lk + 2 + 2)])
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        pyattn.kvcache_attention(q[:, :, :2], kc, vc, np.array([Lk]), k_new=k[:, :, :2], v_new=v[:, :, :2],
+                                 alibi_slopes=over)  # fmt: skip
+    np.testing.assert_array_equal(kc, before)  # refused before anything was written
+    # varlen: the longest sequence's queries plus keys
+    qv, kv_, vv = (np.ascontiguousarray(x[0].transpose(1, 0, 2)) for x in (q, k, v))
+    cu_q, cu_k = np.array([0, 2, Lq]), np.array([0, 4, Lk])
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        pyattn.varlen_attention(
+            qv, kv_, vv, cu_q, cu_k, alibi_slopes=np.array([0.5, 1.01 * _slope_limit(dtype, 3 + 9)])
+        )
+    ok = pyattn.varlen_attention(
+        qv, kv_, vv, cu_q, cu_k, alibi_slopes=np.array([0.5, 0.99 * _slope_limit(dtype, 3 + 9)])
+    )
+    assert np.isfinite(ok).all()
 
 
 @pytest.mark.parametrize("name", ["alibi_slopes", "sinks"])

@@ -7,7 +7,15 @@
 #if !defined(_WIN32)
 #include <pthread.h>
 #endif
+// libgomp (GCC's OpenMP runtime): its pool may be another library's (see on_fork_prepare)
+#if defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#define PYATTN_LIBGOMP 1
+#include <dlfcn.h>
+#else
+#define PYATTN_LIBGOMP 0
+#endif
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -95,13 +103,42 @@ std::atomic<bool> g_team_started{false};  // this process has started an OpenMP 
 std::atomic<bool> g_forked{false};        // ...and this is a child forked after that
 
 #if !defined(_WIN32)  // Windows has no fork()
-// Runs in the child of fork(): libgomp's pool threads were not copied, and the next region of
-// more than one thread would wait on them forever. The child computes on one thread instead.
-// A child forked before any team keeps the full count (its first region makes a fresh pool).
+#if PYATTN_LIBGOMP
+// omp_pause_resource_all of the runtime this library runs on, looked up (not linked: an older
+// libgomp loaded first under the same name, libgomp.so.1, may lack it), or null.
+using PauseAll = int (*)(omp_pause_resource_t);
+PauseAll pause_all_of_our_runtime() {
+  Dl_info info;
+  if (!dladdr(reinterpret_cast<void*>(&omp_get_max_threads), &info) || !info.dli_fname) return nullptr;
+  void* lib = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+  if (!lib) return nullptr;
+  auto* fn = reinterpret_cast<PauseAll>(dlsym(lib, "omp_pause_resource_all"));
+  dlclose(lib);  // (the reference RTLD_NOLOAD took; the runtime stays, this library links it)
+  return fn;
+}
+const PauseAll g_pause_all = pause_all_of_our_runtime();
+
+// Runs in the parent just before fork(). libgomp keeps a pool of threads per thread that starts
+// teams; a child inherits the forking thread's pool but not its threads, and its next team would
+// wait on them forever. The pool may not be pyattn's: torch's wheel ships a libgomp.so.1 too,
+// and a process that loads both ends up with one runtime, so torch's teams fill the same pool.
+// Releasing it here (the parent makes a fresh one at its next team) leaves the child none.
+void on_fork_prepare() {
+  if (g_pause_all) g_pause_all(omp_pause_hard);
+}
+#endif
+
+// Runs in the child of fork(): the child computes on one thread once the parent has run a
+// pyattn team (no oversubscription from workers forked by the dozen). A child forked before any
+// team keeps the full count (its first region makes a fresh pool).
 void on_fork_child() {
   if (g_team_started.load(std::memory_order_relaxed)) g_forked.store(true, std::memory_order_relaxed);
 }
+#if PYATTN_LIBGOMP
+[[maybe_unused]] const int g_atfork = pthread_atfork(on_fork_prepare, nullptr, on_fork_child);
+#else
 [[maybe_unused]] const int g_atfork = pthread_atfork(nullptr, nullptr, on_fork_child);
+#endif
 #endif
 
 }  // namespace
@@ -133,9 +170,11 @@ std::string isa_reason() {
 
 int isa_supported(const char* name) { return table_for(name) != nullptr; }
 
+// OpenMP's count (OMP_NUM_THREADS, else the CPUs), within set_num_threads' bound (_api._thread_count):
+// an OMP_NUM_THREADS of 100000 would start that many threads for one call
 int default_num_threads() {
-  int n = omp_get_max_threads();
-  return n > 0 ? n : 1;
+  const int n = omp_get_max_threads(), most = std::max(16, 4 * omp_get_num_procs());
+  return n < 1 ? 1 : n > most ? most : n;
 }
 
 int get_num_threads() {
