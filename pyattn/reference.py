@@ -156,7 +156,8 @@ def _softmax_rows(scores, axis=-1, sink=None):
     if sink is not None:
         m = np.maximum(m, sink)
     m_safe = np.where(np.isneginf(m), 0.0, m)  # all-masked row: exp(-inf - 0) = 0
-    e = np.exp(scores - m_safe)
+    with np.errstate(over="ignore"):  # a score past -max below the maximum: -inf, weight 0
+        e = np.exp(scores - m_safe)
     s = np.sum(e, axis=axis, keepdims=True)
     if sink is not None:  # a +inf sink takes all the mass (its term exp(inf - inf) read as the limit, 1)
         with np.errstate(invalid="ignore"):

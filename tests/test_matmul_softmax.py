@@ -445,3 +445,23 @@ def test_matmul_vector_dot_is_a_numpy_scalar(dtype, rng):
     got, want = pyattn.matmul(a, b), np.matmul(a, b)
     assert type(got) is type(want) and np.ndim(got) == 0
     assert_close(np.asarray(got), np.asarray(np.matmul(a.astype(np.float64), b.astype(np.float64))), dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_softmax_takes_any_finite_input(isa, dtype):
+    """softmax multiplied by scale * log2(e) before subtracting the maximum: a row of -3e38 came
+    out as zeros and [3e38, 0, -3e38] as NaN (float32; past 1.25e308 in float64), a mask of
+    finfo.min gave zeros. In natural units up to the maximum it matches the reference."""
+    big = float(np.finfo(dtype).max) * 0.9
+    rows = [[-big, -big], [big, 0.0, -big], [-big, -big, -big, 1.0], [big, big * 0.5], [-big] * 37 + [0.0] * 3]
+    for row in rows:
+        x = np.array(row, dtype)
+        np.testing.assert_allclose(pyattn.softmax(x), reference.softmax(x), rtol=1e-6, atol=0)
+    x = np.zeros((3, 21), dtype)
+    m = np.full((3, 21), np.finfo(dtype).min, dtype)
+    m[1, 4] = 0.0  # row 1: one key left; rows 0 and 2: every entry at finfo.min, uniform weights
+    np.testing.assert_allclose(pyattn.softmax(x, mask=m), reference.softmax(x, mask=m), rtol=1e-6, atol=0)
+    np.testing.assert_allclose(pyattn.softmax(x, mask=m)[0], np.full(21, 1 / 21), rtol=1e-6)
+    # scale applied before the maximum, as the reference does
+    x = np.array([1e30, -1e30, 3.0], dtype)
+    np.testing.assert_allclose(pyattn.softmax(x, scale=-1e-30), reference.softmax(x, scale=-1e-30), rtol=1e-6)

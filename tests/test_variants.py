@@ -1567,3 +1567,19 @@ def test_huge_int_scale_or_softcap_is_a_value_error(rng):
         pyattn.scaled_dot_product_attention(q, k, v, scale=10**400)
     with pytest.raises(ValueError, match="softcap"):
         pyattn.scaled_dot_product_attention(q, k, v, softcap=10**400)
+
+
+@pytest.mark.parametrize("lq", [1, 40])
+def test_mask_values_past_the_log2_range_act_as_infinite(lq, rng):
+    """Documented: attention holds float-mask values in log2 units, so np.finfo(float32).min (what
+    Hugging Face uses for "masked") forbids its key exactly like -inf, on the decode path and
+    the general one, and a row of only such values is a fully masked row (zeros, lse -inf)."""
+    q, k, v = make_problem(rng, 1, 2, 2, lq, 23, 8, 8, np.float32)
+    lo = np.finfo(np.float32).min
+    m = np.where(rng.random((1, 2, lq, 23)) < 0.5, lo, 0.0).astype(np.float32)
+    m[..., 0, :] = lo  # the first query of each head sees nothing
+    got, lse = pyattn.scaled_dot_product_attention(q, k, v, m, return_lse=True)
+    want, wl = pyattn.scaled_dot_product_attention(q, k, v, np.where(m == lo, -np.inf, m), return_lse=True)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(lse, wl)
+    assert (got[..., 0, :] == 0).all() and (lse[..., 0] == -np.inf).all()

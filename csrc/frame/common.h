@@ -184,17 +184,19 @@ inline void transpose_ref(const T* src, index_t srs, index_t rows, index_t cols,
     for (index_t c = 0; c < cols; ++c) dst[c * drs + r] = src[r * srs + c];
 }
 
-//   s[j*stride] = -inf where a bool mask row is false; s[j*stride] += mask * log2(e) for an
-//   additive one (scores are kept in base 2). The row starts `off` elements into `mask` (uint8
-//   for bool, T for additive) with element stride cs (0 when broadcast).
+//   s[j*stride] = -inf where a bool mask row is false; s[j*stride] += mask * unit for an
+//   additive one (attention keeps its scores in base 2, unit = log2(e); softmax in natural units,
+//   unit = 1). The row starts `off` elements into `mask` (uint8 for bool, T for additive) with
+//   element stride cs (0 when broadcast).
 template <class T>
-inline void apply_mask_row(MaskKind kind, const void* mask, index_t off, index_t cs, index_t n, T* s, index_t stride) {
+inline void apply_mask_row(MaskKind kind, const void* mask, index_t off, index_t cs, index_t n, T* s, index_t stride,
+                           T unit = T(kLog2e)) {
   if (kind == MaskKind::boolean) {
     const unsigned char* m = static_cast<const unsigned char*>(mask) + off;
     for (index_t j = 0; j < n; ++j)
       if (!m[j * cs]) s[j * stride] = -NumLimits<T>::inf;
   } else if (kind == MaskKind::additive) {
     const T* m = static_cast<const T*>(mask) + off;
-    for (index_t j = 0; j < n; ++j) s[j * stride] += m[j * cs] * T(kLog2e);
+    for (index_t j = 0; j < n; ++j) s[j * stride] += m[j * cs] * unit;
   }
 }

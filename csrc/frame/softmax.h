@@ -1,19 +1,20 @@
 // Fused, numerically stable row softmax, instantiated per ISA.
-//   y = x * scale * log2(e) + mask * log2(e);  m = max(y);  out = exp2(y - m) / sum(exp2(y - m))
-// Working in base 2 folds log2(e) into the scale, so the exponential is a bare exp2.
+//   y = x * scale + mask;  m = max(y);  out = exp2((y - m) log2(e)) / sum(exp2((y - m) log2(e)))
+// log2(e) is applied after the maximum is taken: y - m <= 0 cannot overflow, where y log2(e)
+// would for |y| past max / log2(e) (a row of -3e38 came out as zeros, [3e38, 0, -3e38] as NaN).
 #pragma once
 
 template <class K>
 struct Softmax {
   using T = typename K::T;
 
-  // y = x * sc, masked; returns max(y) (-inf when every entry is masked).
+  // y = x * scale, masked; returns max(y) (-inf when every entry is masked).
   static T load_scaled(const SoftmaxArgs& s, index_t r, T* y) {
     const T* x = static_cast<const T*>(s.x) + s.xoff[r];
-    const T sc = T(s.scale * kLog2e);
+    const T sc = T(s.scale);
     const index_t n = s.n, xcs = s.xcs;
     for (index_t j = 0; j < n; ++j) y[j] = x[j * xcs] * sc;
-    apply_mask_row(s.mask_kind, s.mask, s.mask_kind == MaskKind::none ? 0 : s.moff[r], s.mcs, n, y, 1);
+    apply_mask_row(s.mask_kind, s.mask, s.mask_kind == MaskKind::none ? 0 : s.moff[r], s.mcs, n, y, 1, T(1));
     T mx = -NumLimits<T>::inf;
 #if !PYATTN_MSVC  // MSVC's OpenMP has no max reduction (an OpenMP 3.1 operator)
 #pragma omp simd reduction(max : mx)
@@ -34,7 +35,7 @@ struct Softmax {
       for (index_t j = 0; j < n; ++j) o[j * s.ocs] = fill;
       return;
     }
-    const T inv = T(1) / K::exp2_sub_sum(y, n, mx);
+    const T inv = T(1) / K::exp2_scaled_sum(y, n, mx, T(kLog2e));
     if (y == o) {
 #pragma omp simd
       for (index_t j = 0; j < n; ++j) o[j] *= inv;

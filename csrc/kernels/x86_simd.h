@@ -375,6 +375,39 @@ struct VecKernels {
     return T(total);
   }
 
+  //   x[i] = exp2((x[i] - sub) * mul); return sum(x). softmax's rows, kept in natural units up to
+  //   here: x - sub <= 0 never overflows where x * mul could (|x| past max / log2(e)). Taken as
+  //   one fma, x * mul - sub * mul, wherever sub * mul is finite (-inf for a far smaller x is the
+  //   right limit, a weight of 0); else subtracted first.
+  static T exp2_scaled_sum(T* x, index_t n, T sub, T mul) {
+    const T nsm = -sub * mul;
+    return std::isfinite(nsm) ? exp2_scaled_sum_as<true>(x, n, Ops::set1(nsm), Ops::set1(mul))
+                              : exp2_scaled_sum_as<false>(x, n, Ops::set1(sub), Ops::set1(mul));
+  }
+  template <bool FMA>
+  static T exp2_scaled_sum_as(T* x, index_t n, V s, V f) {
+    auto arg = [&](V v) { return FMA ? Ops::fma(v, f, s) : Ops::mul(Ops::sub(v, s), f); };
+    double total = 0.0;
+    index_t i = 0;
+    while (i + L <= n) {
+      V acc = Ops::zero();
+      const index_t end = min_of<index_t>(n - L + 1, i + kSumBlock * L);
+      for (; i < end; i += L) {
+        const V e = Ops::exp2(arg(Ops::load(x + i)));
+        Ops::store(x + i, e);
+        acc = Ops::add(acc, e);
+      }
+      total += double(Ops::reduce_add(acc));
+    }
+    if (i < n) {
+      const typename Ops::Mask m = Ops::mask(int(n - i));
+      const V e = Ops::maskz(m, Ops::exp2(arg(Ops::maskload(m, x + i))));
+      Ops::maskstore(m, x + i, e);
+      total += double(Ops::reduce_add(e));
+    }
+    return T(total);
+  }
+
   //   s[i] = mods(s[i]) for i < n, the ALiBi distance of element i being base + step*i: a row of
   //   a score tile (columns: queries, step 1) or of a decode block (keys, step -1).
   template <bool CAP, bool ALIBI>

@@ -100,6 +100,15 @@ struct GenericKernels {
     }
     return T(s);
   }
+  //   x[i] = exp2((x[i] - sub) * mul); return sum(x) (softmax's rows, in natural units)
+  static T exp2_scaled_sum(T* x, index_t n, T sub, T mul) {
+    double s = 0.0;
+    for (index_t i = 0; i < n; ++i) {
+      x[i] = std::exp2((x[i] - sub) * mul);
+      s += double(x[i]);
+    }
+    return T(s);
+  }
 };
 
 // Block sizes: register tile MR x NR, cache blocks MC x KC x NC, attention key block BK.
