@@ -425,12 +425,16 @@ def show_config(*, file=None) -> dict:
     """Print and return the build and run-time configuration."""
     from . import __version__
 
+    reason = _core.isa_reason()
+    # what chose the kernel set in use: not the variable's mere presence (an unknown name, or one
+    # set after the choice was made, forces nothing)
+    forced = "PYATTN_ISA" if reason == "forced by PYATTN_ISA" else "set_isa()" if reason == "set by set_isa()" else None
     cfg = {
         "version": __version__,
         "isa": _core.isa(),
-        "isa_reason": _core.isa_reason(),
+        "isa_reason": reason,
         "isas_available": list(_core.available_isas()),
-        "isa_forced_by": "PYATTN_ISA" if os.environ.get("PYATTN_ISA") else None,
+        "isa_forced_by": forced,
         "threads": get_num_threads(),
         "compiler": _core.compiler,
         "numpy": np.__version__,

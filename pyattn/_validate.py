@@ -27,8 +27,12 @@ def float_array(x, name: str) -> np.ndarray:
 
 
 def compute_dtype(*arrays: np.ndarray) -> np.dtype:
-    """NumPy promotion of the inputs; float16 computes (and returns) as float32."""
-    dt = np.result_type(*arrays)
+    """NumPy promotion of the inputs; float16 computes (and returns) as float32. float16 with
+    bfloat16, which NumPy cannot promote together, computes as float32 too."""
+    try:
+        dt = np.result_type(*arrays)
+    except TypeError:  # numpy's DTypePromotionError (float16 with ml_dtypes' bfloat16)
+        return F64 if any(a.dtype == F64 for a in arrays) else F32
     return F64 if dt == F64 else F32
 
 
@@ -161,7 +165,7 @@ def mask_array(mask, name: str, dtype: np.dtype):
     m = np.asarray(mask)
     if m.dtype == np.bool_:
         return 1, m.view(np.uint8)
-    if m.dtype.kind == "f":
+    if m.dtype.kind == "f" or m.dtype.name == "bfloat16":  # (ml_dtypes' bfloat16 has kind "V")
         return 2, cast(m, dtype)
     raise TypeError(f"{name} must be a bool or float array; got dtype {m.dtype}")
 

@@ -122,7 +122,8 @@ def test_env_var_selects_isa(name):
 def test_show_config_says_why_the_isa(capsys):
     """isa_reason names the CPU flags (or the architecture) behind the default choice, and says
     when PYATTN_ISA or set_isa() chose instead."""
-    code = "import io, pyattn; print(pyattn.show_config(file=io.StringIO())['isa_reason'])"
+    code = "import io, pyattn; c = pyattn.show_config(file=io.StringIO()); print(c['isa_forced_by'])\n"
+    code += "print(c['isa_reason'])"
     here = os.path.dirname(os.path.abspath(__file__))
     run = lambda env: subprocess.run(  # noqa: E731
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=here, timeout=120
@@ -131,18 +132,20 @@ def test_show_config_says_why_the_isa(capsys):
     default = run(base)
     assert default.returncode == 0, default.stderr
     flags = {"avx512": "AVX-512", "avx2": "AVX2", "neon": "AArch64", "generic": "portable"}
-    assert flags[ISAS[-1]] in default.stdout, default.stdout
+    assert flags[ISAS[-1]] in default.stdout and default.stdout.startswith("None\n"), default.stdout
     forced = run(dict(base, PYATTN_ISA="generic"))
-    assert forced.stdout.strip() == "forced by PYATTN_ISA", forced.stdout
+    assert forced.stdout.split("\n")[:2] == ["PYATTN_ISA", "forced by PYATTN_ISA"], forced.stdout
     empty = run(dict(base, PYATTN_ISA=""))  # unset, for the C layer as for the Python one
     assert empty.stdout == default.stdout, (empty.stdout, default.stdout)
-    bad = run(dict(base, PYATTN_ISA="no-such-set"))
+    bad = run(dict(base, PYATTN_ISA="no-such-set"))  # forces nothing: isa_forced_by None
     assert "PYATTN_ISA names no kernel set" in bad.stdout and flags[ISAS[-1]] in bad.stdout, bad.stdout
+    assert bad.stdout.startswith("None\n"), bad.stdout
     core = pyattn._core
     old = core.isa()
     try:
         assert core.set_isa("generic")
         assert pyattn.show_config()["isa_reason"] == "set by set_isa()"
+        assert pyattn.show_config()["isa_forced_by"] == "set_isa()"
         assert "set by set_isa()" in capsys.readouterr().out
     finally:
         core.set_isa(old)

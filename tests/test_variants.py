@@ -1583,3 +1583,22 @@ def test_mask_values_past_the_log2_range_act_as_infinite(lq, rng):
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(lse, wl)
     assert (got[..., 0, :] == 0).all() and (lse[..., 0] == -np.inf).all()
+
+
+@pytest.mark.parametrize("lq", [1, 9])
+def test_float16_with_bfloat16_and_bfloat16_masks(lq, rng):
+    """float16 keys with bfloat16 values raised NumPy's DTypePromotionError (no argument named), and
+    a bfloat16 float mask was refused as not a float array: both compute in float32 now, as the
+    half-precision rules say, and match the reference."""
+    bf16 = pytest.importorskip("ml_dtypes").bfloat16
+    q, k, v = make_problem(rng, 1, 2, 2, lq, 11, 8, 8, np.float32)
+    k16, vbf = k.astype(np.float16), v.astype(bf16)
+    m = rng.standard_normal((lq, 11)).astype(bf16)
+    for kk, vv in ((k16, vbf), (k.astype(bf16), v.astype(np.float16))):
+        got = pyattn.scaled_dot_product_attention(q, kk, vv)
+        assert got.dtype == np.float32
+        assert_close(got, reference.scaled_dot_product_attention(q, kk, vv))
+    got = pyattn.scaled_dot_product_attention(q, k, v, m)
+    assert_close(got, reference.scaled_dot_product_attention(q, k, v, m.astype(np.float32)))
+    x = rng.standard_normal((3, 11)).astype(np.float32)
+    assert_close(pyattn.softmax(x, mask=m[:1]), reference.softmax(x, mask=m[:1].astype(np.float32)))
