@@ -74,8 +74,9 @@ def benchmark(quick: bool = True) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m pyattn", description=__doc__)
-    p.add_argument("--no-bench", action="store_true", help="only the walkthrough")
-    p.add_argument("--full", action="store_true", help="a longer benchmark")
+    which = p.add_mutually_exclusive_group()  # (--full with --no-bench was silently ignored)
+    which.add_argument("--no-bench", action="store_true", help="only the walkthrough")
+    which.add_argument("--full", action="store_true", help="a longer benchmark")
     args = p.parse_args(argv)
     pyattn.show_config()
     print()

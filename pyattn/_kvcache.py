@@ -608,7 +608,9 @@ def varlen_attention(
     cu = []
     for c, name, total in ((cu_seqlens_q, "cu_seqlens_q", Tq), (cu_seqlens_k, "cu_seqlens_k", Tk)):
         c = np.asarray(c)
-        if c.dtype.kind not in "iu" or c.ndim != 1 or c.size < 1:
+        if c.dtype.kind not in "iu":
+            raise TypeError(f"{name} must be an integer array; got dtype {c.dtype}")
+        if c.ndim != 1 or c.size < 1:
             raise ValueError(f"{name} must be a 1-D integer array (B + 1,); got {c.dtype} {c.shape}")
         c = int64_values(c, name)  # differences taken in int64: an unsigned or narrow type would wrap
         if c[0] != 0 or np.any(np.diff(c) < 0) or c[-1] != total:

@@ -788,10 +788,11 @@ VARLEN_BAD = {
 
 @pytest.mark.parametrize("bad", list(VARLEN_BAD))
 def test_varlen_bad_cu_seqlens_raise(bad, rng):
-    """Bad cu_seqlens (not from 0, decreasing, wrong total, unequal lengths, not 1-D int) raise ValueError."""
+    """Bad cu_seqlens (not from 0, decreasing, wrong total, unequal lengths, not 1-D) raise
+    ValueError; a non-integer dtype raises TypeError, as for cache_lens, kv_lens and block_table."""
     cq, ck, match = VARLEN_BAD[bad]
     q, k, v = randn(rng, (6, 2, 8)), randn(rng, (6, 1, 8)), randn(rng, (6, 1, 8))
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(TypeError if bad == "float" else ValueError, match=match):
         pyattn.varlen_attention(q, k, v, cq, ck)
 
 

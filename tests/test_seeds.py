@@ -258,3 +258,17 @@ def test_cat_sat_down_module():
     out, w = mha(c["x"][None], c["x"][None], c["x"][None])
     assert w is None
     assert_close(out, c["mh_output"][None], np.float64)
+
+
+def test_main_walkthrough_and_its_flags(capsys):
+    """`python -m pyattn --no-bench` prints the configuration and the walkthrough; --full with
+    --no-bench was silently ignored and is now refused (argparse exits 2)."""
+    from pyattn.__main__ import main
+
+    main(["--no-bench"])
+    printed = capsys.readouterr().out
+    assert "isa" in printed and "0.4555" in printed, printed[-2000:]
+    with pytest.raises(SystemExit) as e:
+        main(["--no-bench", "--full"])
+    assert e.value.code == 2
+    assert "not allowed" in capsys.readouterr().err
