@@ -173,7 +173,9 @@ int isa_supported(const char* name) { return table_for(name) != nullptr; }
 // OpenMP's count (OMP_NUM_THREADS, else the CPUs), within set_num_threads' bound (_api._thread_count):
 // an OMP_NUM_THREADS of 100000 would start that many threads for one call
 int default_num_threads() {
-  const int n = omp_get_max_threads(), most = std::max(16, 4 * omp_get_num_procs());
+  // (once: omp_get_num_procs asks the kernel for the affinity mask, a system call per pyattn call)
+  static const int most = std::max(16, 4 * omp_get_num_procs());
+  const int n = omp_get_max_threads();
   return n < 1 ? 1 : n > most ? most : n;
 }
 
