@@ -321,7 +321,7 @@ bool per_head(PyObject* o, index_t Hq, index_t bh, std::vector<T>& buf, const vo
     // the kernels take it in T, in log2 units: a finite value that overflows there is refused (Python)
     if (std::isfinite(given) && !std::isfinite(x * T(kLog2e))) return false;
     constexpr double exact = double(std::uint64_t(1) << std::numeric_limits<T>::digits);
-    if (std::isfinite(given) && std::fabs(given) * span * kLog2e > exact) return false;
+    if (std::isfinite(given) && std::fabs(double(x)) * span * kLog2e > exact) return false;  // (as cast, as Python)
     buf[std::size_t(i)] = x;
   }
   ptr = buf.data();

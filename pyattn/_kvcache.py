@@ -207,7 +207,7 @@ def _cache_attention(
         # table may lie in memory the call writes, or change in another thread while the kernel
         # runs without the GIL; the kernel reads only what was checked.
         t = np.array(t)
-        table = t.astype(np.int32)
+        table = t if t.dtype == np.int32 else t.astype(np.int32)
     kl = _Layout(k_cache, table, B, "k_cache")
     vl = _Layout(v_cache, table, B, "v_cache")
     Hkv, Ek, Ev = k_cache.shape[1], k_cache.shape[3], v_cache.shape[3]
@@ -421,7 +421,8 @@ class KVCache:
         self._lens = np.zeros(self.batch, np.int64)
         # attend reads the lengths and the block table, drops the GIL in the kernel and then
         # stores the new lengths: two threads at once would write the same rows (or a reset
-        # would free blocks the kernel is reading)
+        # would free blocks the kernel is reading). Not re-entrant: a signal handler that calls
+        # attend or reset on the cache its own thread is inside would wait forever.
         self._lock = threading.Lock()
         if self.block_size is None:
             self._alloc(self.batch, self.max_len)
@@ -451,9 +452,13 @@ class KVCache:
         parts = [self.k, self.v, self.k_scale, self.v_scale, self.block_table]
         return int(sum(p.nbytes for p in parts if p is not None))
 
-    def __getstate__(self):
-        state = self.__dict__.copy()
+    def __getstate__(self):  # (under the lock: not a cache half-way through another thread's attend)
+        with self._lock:
+            state = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in self.__dict__.items()}
+            state["_free"] = list(self._free) if hasattr(self, "_free") else None
         del state["_lock"]
+        if state["_free"] is None:
+            del state["_free"]
         return state
 
     def __setstate__(self, state):

@@ -32,7 +32,7 @@ def compute_dtype(*arrays: np.ndarray) -> np.dtype:
     try:
         dt = np.result_type(*arrays)
     except TypeError:  # numpy's DTypePromotionError (float16 with ml_dtypes' bfloat16)
-        return F64 if any(a.dtype == F64 for a in arrays) else F32
+        return F64 if any(a.dtype.kind == "f" and a.dtype.itemsize == 8 for a in arrays) else F32
     return F64 if dt == F64 else F32
 
 

@@ -526,7 +526,8 @@ def scaled_dot_product_attention(
         softcap=softcap, L=L, R=R, dtype=np.dtype(dtype), ev=Ev, group=group,
     )  # fmt: skip
     slopes = None if alibi_slopes is None else np.broadcast_to(np.asarray(alibi_slopes, _F64), lead)
-    alibi_span(slopes, Lq + Lk, dtype)
+    with np.errstate(over="ignore"):  # checked as the blocks' calls take them: in the dtype
+        alibi_span(None if slopes is None else slopes.astype(dtype), Lq + Lk, dtype)
     sink_v = None if sinks is None else np.broadcast_to(np.asarray(sinks, _F64), lead)
     lens = None
     if kv_lens is not None:

@@ -454,9 +454,16 @@ def test_softmax_takes_any_finite_input(isa, dtype):
     finfo.min gave zeros. In natural units up to the maximum it matches the reference."""
     big = float(np.finfo(dtype).max) * 0.9
     rows = [[-big, -big], [big, 0.0, -big], [-big, -big, -big, 1.0], [big, big * 0.5], [-big] * 37 + [0.0] * 3]
+    # a maximum whose log2-unit shift is past the exact integers (its rounding once put every
+    # exponent past exp2's range: [1e10, 0] gave NaN), with masked entries beside it
+    mid = 1e10 if dtype == np.float32 else 1e20
+    rows += [[mid, 0.0], [mid, mid * (1 - 1e-6), -mid], [-np.inf, mid, 1.0] * 7, [-mid, -mid * 1.5] * 9]
     for row in rows:
         x = np.array(row, dtype)
-        np.testing.assert_allclose(pyattn.softmax(x), reference.softmax(x), rtol=1e-6, atol=0)
+        np.testing.assert_allclose(pyattn.softmax(x), reference.softmax(x), rtol=1e-6, atol=1e-30)
+    x = np.array([1.0, 0.5], dtype)
+    np.testing.assert_allclose(pyattn.softmax(x, scale=1e11), [1.0, 0.0])
+    np.testing.assert_allclose(pyattn.softmax(np.zeros(3, dtype), mask=np.array([0.0, 5e10, 1.0], dtype)), [0, 1, 0])
     x = np.zeros((3, 21), dtype)
     m = np.full((3, 21), np.finfo(dtype).min, dtype)
     m[1, 4] = 0.0  # row 1: one key left; rows 0 and 2: every entry at finfo.min, uniform weights

@@ -377,12 +377,15 @@ struct VecKernels {
 
   //   x[i] = exp2((x[i] - sub) * mul); return sum(x). softmax's rows, kept in natural units up to
   //   here: x - sub <= 0 never overflows where x * mul could (|x| past max / log2(e)). Taken as
-  //   one fma, x * mul - sub * mul, wherever sub * mul is finite (-inf for a far smaller x is the
-  //   right limit, a weight of 0); else subtracted first.
+  //   one fma, x * mul - sub * mul, where sub * mul is at most 2^digits: its rounding then
+  //   shifts every exponent alike by at most 1, which the normalisation cancels (-inf for a far
+  //   smaller x is the right limit, a weight of 0). Past that the shift could leave exp2's range
+  //   (a row [1e10, 0] gave NaN), so the difference is taken first.
   static T exp2_scaled_sum(T* x, index_t n, T sub, T mul) {
     const T nsm = -sub * mul;
-    return std::isfinite(nsm) ? exp2_scaled_sum_as<true>(x, n, Ops::set1(nsm), Ops::set1(mul))
-                              : exp2_scaled_sum_as<false>(x, n, Ops::set1(sub), Ops::set1(mul));
+    constexpr T exact = T(std::uint64_t(1) << std::numeric_limits<T>::digits);
+    return std::fabs(nsm) <= exact ? exp2_scaled_sum_as<true>(x, n, Ops::set1(nsm), Ops::set1(mul))
+                                   : exp2_scaled_sum_as<false>(x, n, Ops::set1(sub), Ops::set1(mul));
   }
   template <bool FMA>
   static T exp2_scaled_sum_as(T* x, index_t n, V s, V f) {
