@@ -354,13 +354,19 @@ struct VecKernels {
   static constexpr index_t kSumBlock = 64;
   static T exp2_sub_sum(T* x, index_t n, T sub) {
     const V s = Ops::set1(sub);
+    return exp2_sum_of(x, n, [s](V v) { return Ops::sub(v, s); });
+  }
+
+  //   x[i] = exp2(arg(x[i])); return sum(x), in kSumBlock blocks as above
+  template <class Arg>
+  static T exp2_sum_of(T* x, index_t n, Arg arg) {
     double total = 0.0;
     index_t i = 0;
     while (i + L <= n) {
       V acc = Ops::zero();
       const index_t end = min_of<index_t>(n - L + 1, i + kSumBlock * L);
       for (; i < end; i += L) {
-        const V e = Ops::exp2(Ops::sub(Ops::load(x + i), s));
+        const V e = Ops::exp2(arg(Ops::load(x + i)));
         Ops::store(x + i, e);
         acc = Ops::add(acc, e);
       }
@@ -368,7 +374,7 @@ struct VecKernels {
     }
     if (i < n) {
       const typename Ops::Mask m = Ops::mask(int(n - i));
-      const V e = Ops::maskz(m, Ops::exp2(Ops::sub(Ops::maskload(m, x + i), s)));
+      const V e = Ops::maskz(m, Ops::exp2(arg(Ops::maskload(m, x + i))));
       Ops::maskstore(m, x + i, e);
       total += double(Ops::reduce_add(e));
     }
@@ -389,26 +395,7 @@ struct VecKernels {
   }
   template <bool FMA>
   static T exp2_scaled_sum_as(T* x, index_t n, V s, V f) {
-    auto arg = [&](V v) { return FMA ? Ops::fma(v, f, s) : Ops::mul(Ops::sub(v, s), f); };
-    double total = 0.0;
-    index_t i = 0;
-    while (i + L <= n) {
-      V acc = Ops::zero();
-      const index_t end = min_of<index_t>(n - L + 1, i + kSumBlock * L);
-      for (; i < end; i += L) {
-        const V e = Ops::exp2(arg(Ops::load(x + i)));
-        Ops::store(x + i, e);
-        acc = Ops::add(acc, e);
-      }
-      total += double(Ops::reduce_add(acc));
-    }
-    if (i < n) {
-      const typename Ops::Mask m = Ops::mask(int(n - i));
-      const V e = Ops::maskz(m, Ops::exp2(arg(Ops::maskload(m, x + i))));
-      Ops::maskstore(m, x + i, e);
-      total += double(Ops::reduce_add(e));
-    }
-    return T(total);
+    return exp2_sum_of(x, n, [s, f](V v) { return FMA ? Ops::fma(v, f, s) : Ops::mul(Ops::sub(v, s), f); });
   }
 
   //   s[i] = mods(s[i]) for i < n, the ALiBi distance of element i being base + step*i: a row of
