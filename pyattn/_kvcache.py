@@ -8,6 +8,7 @@ ever concatenated or gathered into a copy.
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import numpy as np
@@ -21,6 +22,7 @@ from ._validate import (
     compute_dtype,
     float_array,
     int64_values,
+    is_float64,
     kernel_factors,
     lead_offsets,
     overlaps,
@@ -190,7 +192,7 @@ def _cache_attention(
         raise TypeError(f"k_cache must be float32, float64, float16, bfloat16 or int8; got {cdt}")
     if not cdt.isnative:  # written and read in place: never converted
         raise TypeError(f"k_cache must be in the machine's byte order; got {cdt.str}")
-    dtype = F64 if (cdt == F64 and q.dtype.kind == "f" and q.dtype.itemsize == 8) else F32  # either byte order
+    dtype = F64 if (cdt == F64 and is_float64(q.dtype)) else F32
     kv_type = _CACHE_KV_TYPES.get(cdt.name, 0)
     if cdt == F64 and dtype == F32:
         raise TypeError("a float64 cache needs a float64 query (float32 queries read float32/half/int8 caches)")
@@ -453,13 +455,8 @@ class KVCache:
         return int(sum(p.nbytes for p in parts if p is not None))
 
     def __getstate__(self):  # (under the lock: not a cache half-way through another thread's attend)
-        with self._lock:
-            state = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in self.__dict__.items()}
-            state["_free"] = list(self._free) if hasattr(self, "_free") else None
-        del state["_lock"]
-        if state["_free"] is None:
-            del state["_free"]
-        return state
+        with self._lock:  # copy.copy: the arrays and the free list as they are now, not shared
+            return {k: copy.copy(v) for k, v in self.__dict__.items() if k != "_lock"}
 
     def __setstate__(self, state):
         self.__dict__.update(state)

@@ -26,13 +26,18 @@ def float_array(x, name: str) -> np.ndarray:
     return a
 
 
+def is_float64(dt: np.dtype) -> bool:
+    """float64 in either byte order (``dt == F64`` is False for ``'>f8'``)."""
+    return dt.kind == "f" and dt.itemsize == 8
+
+
 def compute_dtype(*arrays: np.ndarray) -> np.dtype:
     """NumPy promotion of the inputs; float16 computes (and returns) as float32. float16 with
     bfloat16, which NumPy cannot promote together, computes as float32 too."""
     try:
         dt = np.result_type(*arrays)
     except TypeError:  # numpy's DTypePromotionError (float16 with ml_dtypes' bfloat16)
-        return F64 if any(a.dtype.kind == "f" and a.dtype.itemsize == 8 for a in arrays) else F32
+        return F64 if any(is_float64(a.dtype) for a in arrays) else F32
     return F64 if dt == F64 else F32
 
 
