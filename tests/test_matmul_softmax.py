@@ -448,6 +448,26 @@ def test_matmul_vector_dot_is_a_numpy_scalar(dtype, rng):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_softmax_gives_zero_not_subnormal(isa, dtype):
+    """An output under the smallest normal number is 0 on every kernel set, where NumPy gives a
+    subnormal (each instruction touching one takes a microcode assist on Intel cores); every
+    normal output is exact as before, down to the smallest normal itself."""
+    tiny = float(np.finfo(dtype).tiny)  # 2^-126 / 2^-1022
+    ln_tiny = float(np.log(tiny))
+    # natural-unit offsets from the max: log2 offsets -126.25 (a subnormal that the AVX2 and NEON
+    # exp2 used to form), -130 and -140 (below), -125.5 and -100 (normal, kept)
+    under = [ln_tiny - 0.25 * np.log(2), ln_tiny - 4 * np.log(2), ln_tiny - 14 * np.log(2)]
+    over = [ln_tiny + 0.5 * np.log(2), ln_tiny + 26 * np.log(2)]
+    x = np.array([0.0, *under, *over], dtype)
+    y = pyattn.softmax(x)
+    assert np.all(y[1:4] == 0), y[1:4]
+    want = reference.softmax(x.astype(np.float64))
+    # exp of an argument near 87 (708) carries its rounding, |x| eps, relative
+    np.testing.assert_allclose(y[[0, 4, 5]], want[[0, 4, 5]], rtol=2e-5 if dtype == np.float32 else 1e-12)
+    assert np.all((y == 0) | (np.abs(y) >= tiny))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_softmax_takes_any_finite_input(isa, dtype):
     """softmax multiplied by scale * log2(e) before subtracting the maximum: a row of -3e38 came
     out as zeros and [3e38, 0, -3e38] as NaN (float32; past 1.25e308 in float64), a mask of

@@ -752,3 +752,42 @@ def test_threads_agree(isa, dtype, lq, lk, hq, hkv, rng):
             got = sdpa(q, k, v, **kw)
         for name, g, w in zip(["output", "lse"], got, want):
             assert_close(g, w, dtype, what=f"{name} with {n} threads")
+
+
+# --------------------------------------------------------------------------- tiny weights
+
+
+@dtype_param
+@pytest.mark.parametrize("lq", [1, 37], ids=["decode", "prefill"])
+def test_weights_below_the_floor_are_dropped_above_it_kept(isa, dtype, lq):
+    """A weight under 2^-100 (float64: 2^-996) of its row's largest is 0, never a subnormal (on
+    Intel each instruction touching one takes a microcode assist: ALiBi over 2048 keys ran 3.3x
+    slower, peaked scores up to 80x); one above it counts. Values of 2^90 / 2^70 (float64: 2^986
+    / 2^966) make each such weight add 2^-20 to the output, far above the tolerance."""
+    floor = -100 if dtype == np.float32 else -996
+    # log2-unit scores: the max (0) first, then one 10 under the floor and one 10 over it, then
+    # keys that cannot count; the same after a first block of 200 keys that hold the row's
+    # running maximum at the lower score (the online softmax's rescale drops or keeps them too)
+    scores = np.array([0.0, floor - 10, floor + 10] + [-1e4] * 40, dtype)
+    vals = np.zeros(scores.size)
+    vals[0] = 1.0
+    vals[1] = 2.0 ** (-(floor - 10) - 20)  # weight 2^(floor - 10) x value = 2^-20: dropped
+    vals[2] = 2.0 ** (-(floor + 10) - 20)  # weight 2^(floor + 10) x value = 2^-20: kept
+    e = 4
+    for lead in (0, 200):
+        s = np.concatenate([np.full(lead, -1e4, dtype), scores]) if lead else scores
+        if lead:
+            s[0] = float(floor) + 10 - 5  # the first block's maximum, far under the row's
+        lk = s.size
+        q = np.zeros((1, 1, lq, e), dtype)
+        q[..., 0] = 1.0
+        k = np.zeros((1, 1, lk, e), dtype)
+        k[0, 0, :, 0] = s * np.log(2.0)  # scale 1: q . k in log2 units is s
+        v = np.zeros((1, 1, lk, e), dtype)
+        v[0, 0, lead:, 0] = vals
+        if lead:
+            v[0, 0, 0, 0] = 2.0 ** (-(floor + 5) - 20)  # weight 2^(floor + 5): kept, adds 2^-20
+        out = pyattn.scaled_dot_product_attention(q, k, v, scale=1.0)
+        kept = 1.0 + 2.0**-20 + (2.0**-20 if lead else 0.0)
+        np.testing.assert_allclose(out[..., 0], kept, rtol=2e-7 if dtype == np.float32 else 1e-12)
+        assert np.all(out[..., 1:] == 0)

@@ -368,7 +368,7 @@ struct Attention {
     for (int c = 0; c < NR; ++c) {
       T al = T(1);
       if (cm[c] > t.m[c] + kSlack) {
-        if (t.m[c] != -kInf) al = T(std::exp2(t.m[c] - cm[c]));
+        if (t.m[c] != -kInf) al = exp2_floored(T(t.m[c] - cm[c]));
         t.m[c] = cm[c];
       }
       t.alpha[c] = al;
@@ -409,7 +409,7 @@ struct Attention {
         T f = T(1);
         if (t.cmax[c] > kSlack) {
           const T d = std::ceil(t.cmax[c]);
-          f = T(std::exp2(-d));
+          f = exp2_floored(T(-d));
           t.m[c] = t.sub[c] = t.sub[c] + d;
         }
         t.alpha[c] = f;
@@ -476,7 +476,7 @@ struct Attention {
       T f = T(1);
       if (t.ready && b > t.bhw[c] && t.bhw[c] > -kInf) {
         const T d = std::ceil(b - t.bhw[c]);
-        f = T(std::exp2(-d));
+        f = exp2_floored(T(-d));
         t.m[c] = t.sub[c] = t.sub[c] + d;
       }
       t.bhw[c] = b > t.bhw[c] ? b : t.bhw[c];
@@ -798,7 +798,7 @@ struct Attention {
         mask_row(p, qi, k0, kb, s, 1);
         const T mx = K::max_row(s, kb, r.m[x]);
         const T sub = mx == -kInf ? T(0) : mx;
-        const T alpha = r.m[x] == -kInf ? T(0) : T(std::exp2(r.m[x] - sub));
+        const T alpha = r.m[x] == -kInf ? T(0) : exp2_floored(T(r.m[x] - sub));
         r.m[x] = mx;
         r.l[x] = alpha * r.l[x] + K::exp2_sub_sum(s, kb, sub);
         if (alpha != T(1)) {
@@ -932,7 +932,7 @@ struct Attention {
         for (index_t c = 0; c < nchunk; ++c) {
           const T* pt = parts + (g * nchunk + c) * part;
           const T mc = pt[R * Ev + x];
-          const T w = mc == -kInf ? T(0) : T(std::exp2(mc - sub));
+          const T w = mc == -kInf ? T(0) : exp2_floored(T(mc - sub));
           l += w * pt[R * Ev + R + x];
           for (index_t d = 0; d < Ev; ++d) acc[d] += w * pt[x * Ev + d];
         }

@@ -31,7 +31,7 @@ struct GenericKernels {
       for (int j = 0; j < nr; ++j) {
         const T x = c[r * ldc + j] - sub[j];
         xmax[j] = x > xmax[j] ? x : xmax[j];
-        c[r * ldc + j] = std::exp2(x);
+        c[r * ldc + j] = exp2_floored(x);
         csum[j] += c[r * ldc + j];
       }
   }
@@ -81,7 +81,7 @@ struct GenericKernels {
   //   x[i] = exp2(x[i] - sub[i]); sum[i] += x[i]
   static void exp2_sub_cols(T* x, const T* sub, T* sum, int n) {
     for (int i = 0; i < n; ++i) {
-      x[i] = std::exp2(x[i] - sub[i]);
+      x[i] = exp2_floored(T(x[i] - sub[i]));
       sum[i] += x[i];
     }
   }
@@ -95,7 +95,7 @@ struct GenericKernels {
   static T exp2_sub_sum(T* x, index_t n, T sub) {
     double s = 0.0;
     for (index_t i = 0; i < n; ++i) {
-      x[i] = std::exp2(x[i] - sub);
+      x[i] = exp2_floored(T(x[i] - sub));
       s += double(x[i]);
     }
     return T(s);
@@ -104,7 +104,7 @@ struct GenericKernels {
   static T exp2_scaled_sum(T* x, index_t n, T sub, T mul) {
     double s = 0.0;
     for (index_t i = 0; i < n; ++i) {
-      x[i] = std::exp2((x[i] - sub) * mul);
+      x[i] = exp2_floored<T, kExp2Floor<T>>(T((x[i] - sub) * mul));
       s += double(x[i]);
     }
     return T(s);
