@@ -449,9 +449,10 @@ def test_matmul_vector_dot_is_a_numpy_scalar(dtype, rng):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_softmax_gives_zero_not_subnormal(isa, dtype):
-    """An output under the smallest normal number is 0 on every kernel set, where NumPy gives a
-    subnormal (each instruction touching one takes a microcode assist on Intel cores); every
-    normal output is exact as before, down to the smallest normal itself."""
+    """exp(x - max) under the smallest normal number is 0 on every kernel set, where NumPy gives
+    a subnormal (each instruction touching one takes a microcode assist on Intel cores); every
+    normal one is exact as before, down to the smallest normal itself. (In a row with one
+    maximum the sum is about 1, so the outputs are those values.)"""
     tiny = float(np.finfo(dtype).tiny)  # 2^-126 / 2^-1022
     ln_tiny = float(np.log(tiny))
     # natural-unit offsets from the max: log2 offsets -126.25 (a subnormal that the AVX2 and NEON

@@ -150,21 +150,19 @@ inline T to_float(T x) {
 constexpr double kLog2e = 1.4426950408889634074;
 constexpr double kLn2 = 0.69314718055994530942;
 
-// exp2 never gives a subnormal: below 2^kExp2Floor it gives 0 (softmax's outputs), and an
-// attention weight below 2^kWeightExp2Floor is 0 too. On Intel cores each instruction that reads
-// or writes a subnormal takes a microcode assist (a hundred cycles or more), and in the P V product
-// a weight of 2^-110 times a value of 0.01 is one: with peaked scores (ALiBi over long rows, large
-// logits) they slowed attention 3x to 80x there. A weight below 2^-100 (2^-996) of the row's
-// largest moves an output by less than 2^-100 Lk max|v|, far under float32's (float64's)
-// resolution; one at or above it, times any value of at least 2^-26, gives a normal product.
+// exp2 never gives a subnormal: below 2^kExp2Floor, the smallest normal number, it gives 0. On
+// Intel cores each instruction that reads or writes a subnormal takes a microcode assist (a
+// hundred cycles or more): with peaked scores (ALiBi over long rows, large logits) the weights
+// that fell there slowed attention 3x to 80x. Such a weight adds less than 2^-126 (2^-1022) of a
+// value to a sum that holds a weight near 1. The floor is the normal range's, not a larger one:
+// weights are taken against a running reference that ALiBi can put far above a row's largest
+// score, and a higher floor dropped whole rows there.
 template <class T>
 constexpr int kExp2Floor = sizeof(T) == 4 ? -126 : -1022;
+//   e = x < kExp2Floor ? 0 : 2^x (NaN stays NaN); the scalar rescale factors
 template <class T>
-constexpr int kWeightExp2Floor = kExp2Floor<T> + 26;
-//   e = x < FLOOR ? 0 : 2^x (NaN stays NaN); the scalar rescale factors are weights too
-template <class T, int FLOOR = kWeightExp2Floor<T>>
 inline T exp2_floored(T x) {
-  return x < T(FLOOR) ? T(0) : T(std::exp2(x));
+  return x < T(kExp2Floor<T>) ? T(0) : T(std::exp2(x));
 }
 
 // Taylor coefficients ln(2)^i / i! of 2^f = e^(f ln 2), i = 0..13: degree 7 suffices for float

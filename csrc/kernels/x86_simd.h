@@ -291,7 +291,7 @@ static inline void gemm_ukernel_exp2(int mr, index_t k, const typename Ops::T* a
                                                                            Ops::fma(Ops::set1(T(-r)), step, sv[v]))
                                               : mods_plus<Ops, CAP, ALIBI>(acc[r][v], md, dcol[v], r, sv[v]);
           mx[v] = Ops::max(mx[v], x);
-          const V e = Ops::exp2_weight(x);
+          const V e = Ops::exp2(x);
           sm[v] = Ops::add(sm[v], e);
           Ops::store(cr + v * L, e);
         }
@@ -321,13 +321,13 @@ struct VecKernels {
   static void exp2_sub_cols(T* x, const T* sub, T* sum, int n) {
     int i = 0;
     for (; i + L <= n; i += L) {
-      const V e = Ops::exp2_weight(Ops::sub(Ops::load(x + i), Ops::load(sub + i)));
+      const V e = Ops::exp2(Ops::sub(Ops::load(x + i), Ops::load(sub + i)));
       Ops::store(x + i, e);
       Ops::store(sum + i, Ops::add(Ops::load(sum + i), e));
     }
     if (i < n) {
       const typename Ops::Mask m = Ops::mask(n - i);
-      const V e = Ops::exp2_weight(Ops::sub(Ops::maskload(m, x + i), Ops::maskload(m, sub + i)));
+      const V e = Ops::exp2(Ops::sub(Ops::maskload(m, x + i), Ops::maskload(m, sub + i)));
       Ops::maskstore(m, x + i, e);
       Ops::maskstore(m, sum + i, Ops::add(Ops::maskload(m, sum + i), e));
     }
@@ -347,27 +347,26 @@ struct VecKernels {
     return m;
   }
 
-  //   x[i] = exp2(x[i] - sub); return sum(x) (attention weights: exp2_weight)
+  //   x[i] = exp2(x[i] - sub); return sum(x)
   // Summed in blocks of kSumBlock vectors whose totals are added in double: one float
   // accumulator per lane over a million-element row drifted by ~2e-4; this keeps the error
   // near a block's (~1e-6) at the cost of one horizontal sum per block.
   static constexpr index_t kSumBlock = 64;
   static T exp2_sub_sum(T* x, index_t n, T sub) {
     const V s = Ops::set1(sub);
-    return exp2_sum_of<true>(x, n, [s](V v) { return Ops::sub(v, s); });
+    return exp2_sum_of(x, n, [s](V v) { return Ops::sub(v, s); });
   }
 
-  //   x[i] = exp2(arg(x[i])); return sum(x), in kSumBlock blocks as above (WEIGHT: exp2_weight)
-  template <bool WEIGHT, class Arg>
+  //   x[i] = exp2(arg(x[i])); return sum(x), in kSumBlock blocks as above
+  template <class Arg>
   static T exp2_sum_of(T* x, index_t n, Arg arg) {
-    auto exp2 = [](V v) { return WEIGHT ? Ops::exp2_weight(v) : Ops::exp2(v); };
     double total = 0.0;
     index_t i = 0;
     while (i + L <= n) {
       V acc = Ops::zero();
       const index_t end = min_of<index_t>(n - L + 1, i + kSumBlock * L);
       for (; i < end; i += L) {
-        const V e = exp2(arg(Ops::load(x + i)));
+        const V e = Ops::exp2(arg(Ops::load(x + i)));
         Ops::store(x + i, e);
         acc = Ops::add(acc, e);
       }
@@ -375,7 +374,7 @@ struct VecKernels {
     }
     if (i < n) {
       const typename Ops::Mask m = Ops::mask(int(n - i));
-      const V e = Ops::maskz(m, exp2(arg(Ops::maskload(m, x + i))));
+      const V e = Ops::maskz(m, Ops::exp2(arg(Ops::maskload(m, x + i))));
       Ops::maskstore(m, x + i, e);
       total += double(Ops::reduce_add(e));
     }
@@ -396,7 +395,7 @@ struct VecKernels {
   }
   template <bool FMA>
   static T exp2_scaled_sum_as(T* x, index_t n, V s, V f) {
-    return exp2_sum_of<false>(x, n, [s, f](V v) { return FMA ? Ops::fma(v, f, s) : Ops::mul(Ops::sub(v, s), f); });
+    return exp2_sum_of(x, n, [s, f](V v) { return FMA ? Ops::fma(v, f, s) : Ops::mul(Ops::sub(v, s), f); });
   }
 
   //   s[i] = mods(s[i]) for i < n, the ALiBi distance of element i being base + step*i: a row of

@@ -11,13 +11,12 @@ namespace avx2 {
 #include "kernels/x86_transpose.h"
 
 // exp2 for x <= 128 (float) / 1024 (double): x = n + f, |f| <= 1/2, 2^f by a Taylor polynomial
-// in f*ln2, 2^n built in the exponent field. x < FLOOR gives 0, never a subnormal (common.h,
-// kExp2Floor): FLOOR >= -126 keeps n >= -126 with f >= 0 at n = -126, a normal product. NaN stays
-// NaN (the ordered compare is false for it, and max with x second returns it).
-template <int FLOOR>
+// in f*ln2, 2^n built in the exponent field. x below the smallest normal exponent, -126 (-1022),
+// gives 0, never a subnormal (common.h, kExp2Floor): a kept x rounds to n >= -126 with f >= 0 at
+// n = -126, a normal product. NaN stays NaN (the ordered compare is false for it, and max with x second returns it).
 static inline __m256 exp2_ps(__m256 x) {
-  const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(float(FLOOR)), _CMP_LT_OQ);
-  x = _mm256_max_ps(_mm256_set1_ps(float(FLOOR)), x);
+  const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(float(kExp2Floor<float>)), _CMP_LT_OQ);
+  x = _mm256_max_ps(_mm256_set1_ps(float(kExp2Floor<float>)), x);
   x = _mm256_min_ps(_mm256_set1_ps(128.0f), x);
   const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(x, n);
@@ -29,10 +28,9 @@ static inline __m256 exp2_ps(__m256 x) {
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
-template <int FLOOR>
 static inline __m256d exp2_pd(__m256d x) {
-  const __m256d under = _mm256_cmp_pd(x, _mm256_set1_pd(double(FLOOR)), _CMP_LT_OQ);
-  x = _mm256_max_pd(_mm256_set1_pd(double(FLOOR)), x);
+  const __m256d under = _mm256_cmp_pd(x, _mm256_set1_pd(double(kExp2Floor<double>)), _CMP_LT_OQ);
+  x = _mm256_max_pd(_mm256_set1_pd(double(kExp2Floor<double>)), x);
   x = _mm256_min_pd(_mm256_set1_pd(1024.0), x);
   const __m256d n = _mm256_round_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256d f = _mm256_sub_pd(x, n);
@@ -93,8 +91,7 @@ struct OpsF32 {
     const V u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // [a0..a3 | a0..a3] halves, a4..a7
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
   }
-  static V exp2(V v) { return exp2_ps<kExp2Floor<float>>(v); }
-  static V exp2_weight(V v) { return exp2_ps<kWeightExp2Floor<float>>(v); }
+  static V exp2(V v) { return exp2_ps(v); }
   // Half-precision rows: float16 by vcvtph2ps (F16C), bfloat16 by widening to the high half. AVX2
   // has no 16-bit masked load: a partial row goes through a zeroed 8-lane copy.
   static V load_f16(const f16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -145,8 +142,7 @@ struct OpsF64 {
   static bool any_ge(V a, V b) { return _mm256_movemask_pd(_mm256_cmp_pd(a, b, _CMP_GE_OQ)) != 0; }
   static V maskz(Mask m, V v) { return _mm256_and_pd(v, _mm256_castsi256_pd(m)); }
   static T reduce_add(V v) { return hsum_pd(v); }
-  static V exp2(V v) { return exp2_pd<kExp2Floor<double>>(v); }
-  static V exp2_weight(V v) { return exp2_pd<kWeightExp2Floor<double>>(v); }
+  static V exp2(V v) { return exp2_pd(v); }
 };
 
 #include "kernels/x86_simd.h"

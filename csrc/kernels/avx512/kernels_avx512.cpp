@@ -12,13 +12,12 @@ namespace avx512 {
 
 // exp2 for x <= 128: x = n + f, |f| <= 1/2; 2^f by its degree-7 (float) or degree-13 (double)
 // Taylor polynomial in f*ln2 (truncation below 0.1 ulp), then scalef multiplies by 2^n. x below
-// FLOOR gives 0, never a subnormal (common.h, kExp2Floor): the lanes kept have x >= FLOOR, so
+// -126 (-1022) gives 0, never a subnormal (common.h, kExp2Floor): the lanes kept have x >= -126, so
 // scalef never forms one. -inf gives 0; NaN goes through (the unordered compare keeps its lane,
 // and max with x second returns it).
-template <int FLOOR>
 static inline __m512 exp2_ps(__m512 x) {
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(float(FLOOR)), _CMP_NLT_UQ);
-  x = _mm512_max_ps(_mm512_set1_ps(float(FLOOR)), x);
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(float(kExp2Floor<float>)), _CMP_NLT_UQ);
+  x = _mm512_max_ps(_mm512_set1_ps(float(kExp2Floor<float>)), x);
   x = _mm512_min_ps(_mm512_set1_ps(128.0f), x);
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
@@ -28,10 +27,9 @@ static inline __m512 exp2_ps(__m512 x) {
   return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
-template <int FLOOR>
 static inline __m512d exp2_pd(__m512d x) {
-  const __mmask8 keep = _mm512_cmp_pd_mask(x, _mm512_set1_pd(double(FLOOR)), _CMP_NLT_UQ);
-  x = _mm512_max_pd(_mm512_set1_pd(double(FLOOR)), x);
+  const __mmask8 keep = _mm512_cmp_pd_mask(x, _mm512_set1_pd(double(kExp2Floor<double>)), _CMP_NLT_UQ);
+  x = _mm512_max_pd(_mm512_set1_pd(double(kExp2Floor<double>)), x);
   x = _mm512_min_pd(_mm512_set1_pd(1025.0), x);
   const __m512d n = _mm512_roundscale_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512d f = _mm512_sub_pd(x, n);
@@ -90,8 +88,7 @@ struct OpsF32 {
     return _mm512_add_ps(_mm512_shuffle_f32x4(r01, r23, _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(r01, r23, _MM_SHUFFLE(3, 1, 3, 1)));
   }
-  static V exp2(V v) { return exp2_ps<kExp2Floor<float>>(v); }
-  static V exp2_weight(V v) { return exp2_ps<kWeightExp2Floor<float>>(v); }
+  static V exp2(V v) { return exp2_ps(v); }
   // Half-precision rows: float16 by vcvtph2ps (F16C), bfloat16 by widening to the high half.
   static V load_f16(const f16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static V load_f16_n(Mask m, int, const f16_t* p) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
@@ -130,8 +127,7 @@ struct OpsF64 {
   static bool any_ge(V a, V b) { return _mm512_cmp_pd_mask(a, b, _CMP_GE_OQ) != 0; }
   static V maskz(Mask m, V v) { return _mm512_maskz_mov_pd(m, v); }
   static T reduce_add(V v) { return _mm512_reduce_add_pd(v); }
-  static V exp2(V v) { return exp2_pd<kExp2Floor<double>>(v); }
-  static V exp2_weight(V v) { return exp2_pd<kWeightExp2Floor<double>>(v); }
+  static V exp2(V v) { return exp2_pd(v); }
 };
 
 #include "kernels/x86_simd.h"

@@ -104,7 +104,7 @@ struct GenericKernels {
   static T exp2_scaled_sum(T* x, index_t n, T sub, T mul) {
     double s = 0.0;
     for (index_t i = 0; i < n; ++i) {
-      x[i] = exp2_floored<T, kExp2Floor<T>>(T((x[i] - sub) * mul));
+      x[i] = exp2_floored(T((x[i] - sub) * mul));
       s += double(x[i]);
     }
     return T(s);

@@ -6,11 +6,11 @@
 
 // exp2 for x <= 128 (float) / 1024 (double): x = n + f, |f| <= 1/2, 2^f by the Taylor polynomial
 // in f*ln2 the x86 sets use (degree 7 / 13, truncation below 0.1 ulp), 2^n built in the exponent
-// field. x < FLOOR gives 0, never a subnormal (common.h, kExp2Floor); fmax/fmin keep NaN.
-template <int FLOOR>
+// field. x below -126 (-1022) gives 0, never a subnormal (common.h, kExp2Floor); fmax/fmin keep
+// NaN.
 static inline float32x4_t exp2_ps(float32x4_t x) {
-  const uint32x4_t under = vcltq_f32(x, vdupq_n_f32(float(FLOOR)));  // false for NaN
-  x = vmaxq_f32(x, vdupq_n_f32(float(FLOOR)));
+  const uint32x4_t under = vcltq_f32(x, vdupq_n_f32(float(kExp2Floor<float>)));  // false for NaN
+  x = vmaxq_f32(x, vdupq_n_f32(float(kExp2Floor<float>)));
   x = vminq_f32(x, vdupq_n_f32(128.0f));
   const float32x4_t n = vrndnq_f32(x);
   const float32x4_t f = vsubq_f32(x, n);
@@ -22,10 +22,9 @@ static inline float32x4_t exp2_ps(float32x4_t x) {
   return vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(vmulq_f32(p, vreinterpretq_f32_s32(e))), under));
 }
 
-template <int FLOOR>
 static inline float64x2_t exp2_pd(float64x2_t x) {
-  const uint64x2_t under = vcltq_f64(x, vdupq_n_f64(double(FLOOR)));
-  x = vmaxq_f64(x, vdupq_n_f64(double(FLOOR)));
+  const uint64x2_t under = vcltq_f64(x, vdupq_n_f64(double(kExp2Floor<double>)));
+  x = vmaxq_f64(x, vdupq_n_f64(double(kExp2Floor<double>)));
   x = vminq_f64(x, vdupq_n_f64(1024.0));
   const float64x2_t n = vrndnq_f64(x);
   const float64x2_t f = vsubq_f64(x, n);
@@ -202,8 +201,7 @@ struct OpsF32 {
   static T reduce_add(V v) { return vaddvq_f32(v); }
   //   lane i of the result = sum of a[i]'s lanes, i < 4: two rounds of pairwise adds
   static V sum_lanes(const V* a) { return vpaddq_f32(vpaddq_f32(a[0], a[1]), vpaddq_f32(a[2], a[3])); }
-  static V exp2(V v) { return exp2_ps<kExp2Floor<float>>(v); }
-  static V exp2_weight(V v) { return exp2_ps<kWeightExp2Floor<float>>(v); }
+  static V exp2(V v) { return exp2_ps(v); }
   // Half-precision rows: float16 by fcvtl (vcvt_f32_f16, base AArch64), bfloat16 by widening
   // each 16-bit value into the high half of its lane.
   static const std::uint16_t* bits(const f16_t* p) { return reinterpret_cast<const std::uint16_t*>(p); }
@@ -276,8 +274,7 @@ struct OpsF64 {
   static V maskz(Mask m, V v) { return m.n >= L ? v : m.n == 1 ? vsetq_lane_f64(0.0, v, 1) : vdupq_n_f64(0.0); }
   static T reduce_add(V v) { return vaddvq_f64(v); }
   static V sum_lanes(const V* a) { return vpaddq_f64(a[0], a[1]); }
-  static V exp2(V v) { return exp2_pd<kExp2Floor<double>>(v); }
-  static V exp2_weight(V v) { return exp2_pd<kWeightExp2Floor<double>>(v); }
+  static V exp2(V v) { return exp2_pd(v); }
   template <int I>
   static V fma_lane(V acc, V b, V a) {
     return vfmaq_laneq_f64(acc, b, a, I);
