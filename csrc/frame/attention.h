@@ -129,12 +129,13 @@ struct Attention {
     T* csum;     // column sums of the block's P^T
     T* inv;      // 1 / l (0 where no key was visible, NaN where l is), once the panel is finished
     T* bhw;      // ALiBi: the largest bias of the blocks taken in so far (see anticipate_bias)
+    T* top;      // the largest score taken in so far (log2 units; see lower_reference)
     bool ready;  // every m is finite: unmasked blocks may take the fused path
     bool fresh;  // no key block taken in yet (l and acc are 0)
     int nr;      // the panel's real queries: kernels compute only the vectors that hold them,
                  // and the rest of st holds finite filler
   };
-  static constexpr int kStatVectors = 8;  // m, l, sub, alpha, cmax, csum, inv, bhw
+  static constexpr int kStatVectors = 9;  // m, l, sub, alpha, cmax, csum, inv, bhw, top
 
   // Elements of one panel's scratch: qt + st + acc + the statistics vectors.
   static std::size_t tile_elems(index_t E, index_t Ev) {
@@ -147,7 +148,7 @@ struct Attention {
     t.st = t.qt + a.E * NR;
     t.acc = t.st + BK * NR;
     T* stats = t.acc + a.Ev * NR;
-    T** vecs[kStatVectors] = {&t.m, &t.l, &t.sub, &t.alpha, &t.cmax, &t.csum, &t.inv, &t.bhw};
+    T** vecs[kStatVectors] = {&t.m, &t.l, &t.sub, &t.alpha, &t.cmax, &t.csum, &t.inv, &t.bhw, &t.top};
     for (int i = 0; i < kStatVectors; ++i) *vecs[i] = stats + i * NR;
     t.ready = false;
     t.fresh = true;
@@ -163,6 +164,7 @@ struct Attention {
       t.sub[c] = T(0);
       t.alpha[c] = T(1);
       t.bhw[c] = -kInf;
+      t.top[c] = -kInf;
     }
     for (index_t x = 0; x < a.Ev * NR; ++x) t.acc[x] = T(0);
     t.ready = false;
@@ -343,13 +345,16 @@ struct Attention {
   // the two-pass update. A later key that beats m by the slack sends the block there too.
   static bool prime_panel(int mr, Tile& t, bool have_reference) {
     T* cm = t.cmax;
-    if (!have_reference) colmax(t.st, mr, cm);
+    colmax(t.st, mr, t.top);
+    if (!have_reference)
+      for (int c = 0; c < NR; ++c) cm[c] = t.top[c];
     bool finite = true;
     for (int c = 0; c < NR; ++c) finite &= cm[c] > -kInf && cm[c] < kInf;
     if (!finite) return false;
     for (int c = 0; c < NR; ++c) {
       t.m[c] = t.sub[c] = cm[c];
-      t.cmax[c] = T(0);  // the fused kernel goes on with the max of S^T - sub
+      // the fused kernel goes on with the max of S^T - sub (these rows' is 0, or below with ALiBi)
+      t.cmax[c] = have_reference ? -kInf : T(0);
       t.csum[c] = T(0);
     }
     t.ready = true;
@@ -364,6 +369,8 @@ struct Attention {
   PYATTN_PHASE void online_softmax(index_t kb, Tile& t) const {
     T* cm = t.cmax;
     colmax(t.st, kb, cm);
+    for (int c = 0; c < NR; ++c) t.top[c] = cm[c] > t.top[c] ? cm[c] : t.top[c];
+    lower_reference(t);
     bool moved = false, ready = true;
     for (int c = 0; c < NR; ++c) {
       T al = T(1);
@@ -384,6 +391,41 @@ struct Attention {
     if (moved) scale_acc(t, t.alpha);
   }
 
+  // ALiBi's reference for a block (its first keys' raw maximum plus the block's largest bias, or
+  // raised by anticipate_bias) can lie far above every score a query has seen, and exp2 gives 0
+  // more than 126 binades under it (common.h, kExp2Floor): a key 80 natural units above the rest
+  // at slope 0.5 lost whole rows that way. Where the reference exceeds the largest score taken in
+  // (top) by over kUnder, it moves down by the whole binades d = floor(m - top) and l and acc scale
+  // up by 2^d, exactly; the caller then takes the block the two-pass way against it. Without
+  // ALiBi the reference never exceeds top by more than 1.
+  //   where m - top > kUnder: d = floor(m - top); m = sub = m - d; l *= 2^d; acc^T *= 2^d
+  static constexpr T kUnder = T(64);
+  void lower_reference(Tile& t) const {
+    T* d = t.inv;  // free until the panel is finished
+    bool any = false;
+    for (int c = 0; c < NR; ++c) {
+      d[c] = T(0);
+      if (t.m[c] - t.top[c] > kUnder && t.top[c] > -kInf && t.m[c] < kInf) {
+        d[c] = std::floor(t.m[c] - t.top[c]);
+        t.m[c] = t.sub[c] = t.m[c] - d[c];
+        any = true;
+      }
+    }
+    if (!any) return;
+    // by 2^d in steps of at most 2^64, each a finite power of two
+    for (bool more = true; more;) {
+      more = false;
+      for (int c = 0; c < NR; ++c) {
+        const T step = d[c] < T(64) ? d[c] : T(64);
+        d[c] -= step;
+        more |= d[c] > T(0);
+        t.alpha[c] = T(std::exp2(step));
+        t.l[c] *= t.alpha[c];
+      }
+      scale_acc(t, t.alpha);
+    }
+  }
+
   // After a fused block: l += csum. Where a score exceeded its query's reference by over kSlack
   // but not by kRescaleMax, P = exp2(S - sub) is kept: the reference moves up by d = ceil(cmax),
   // and the column's P, csum, l and acc are scaled by 2^-d in place, exactly (a power of two).
@@ -394,10 +436,18 @@ struct Attention {
   template <bool CAP, bool ALIBI>
   PYATTN_PHASE void finish_fused(const Problem& p, index_t qp, index_t k0, index_t kb, const Block& blk,
                                  Tile& t) const {
-    bool over = false, overflow = false;
+    bool over = false, overflow = false, under = false;
     for (int c = 0; c < NR; ++c) {
       over |= t.cmax[c] > kSlack;
       overflow |= t.cmax[c] > kRescaleMax;
+      const T top = t.cmax[c] + t.sub[c];
+      t.top[c] = top > t.top[c] ? top : t.top[c];
+      under |= t.m[c] - t.top[c] > kUnder;
+    }
+    if (ALIBI && under) {  // this block's small weights went under the floor: redo it lower
+      scores<CAP, ALIBI>(p, qp, k0, kb, blk, &t, 1, nullptr, false);
+      online_softmax(kb, t);
+      return;
     }
     if (overflow) {
       scores<CAP, ALIBI>(p, qp, k0, kb, blk, &t, 1, nullptr, false);
@@ -454,8 +504,13 @@ struct Attention {
   // which then sees only the spread of the raw scores. The bound must be reached by a visible
   // key: one too high would leave every visible score far below the reference (underflow), so
   // it is not taken with a mask (which may hide any key; the caller skips this then).
+  // A rise past kRiseMax is not taken ahead: scaling l and acc by 2^-d would leave nothing of the
+  // earlier keys if the block's raw scores fell by as much (a key far above the rest early in the
+  // row), and the fused kernel could not tell. The block goes the two-pass way instead, which
+  // takes its reference from the scores it finds.
+  static constexpr T kRiseMax = T(sizeof(T) == 4 ? 100 : 996);
   void anticipate_bias(const Problem& p, index_t qp, index_t k0, index_t kb, Tile& t) const {
-    bool moved = false;
+    bool moved = false, steep = false;
     // whether every query of the panel sees the whole block (lo and hi rise with the query)
     const index_t qz = min_of<index_t>(p.Lq, qp + NR) - 1;
     const bool whole = lo(p, qz) <= k0 && hi(p, qp) >= k0 + kb;
@@ -476,13 +531,18 @@ struct Attention {
       T f = T(1);
       if (t.ready && b > t.bhw[c] && t.bhw[c] > -kInf) {
         const T d = std::ceil(b - t.bhw[c]);
-        f = exp2_floored(T(-d));
-        t.m[c] = t.sub[c] = t.sub[c] + d;
+        if (d > kRiseMax) {
+          steep = true;
+        } else {
+          f = exp2_floored(T(-d));
+          t.m[c] = t.sub[c] = t.sub[c] + d;
+        }
       }
       t.bhw[c] = b > t.bhw[c] ? b : t.bhw[c];
       t.alpha[c] = f;
       moved |= f != T(1);
     }
+    if (steep) t.ready = false;  // this block the two-pass way
     if (!moved) return;
 #pragma omp simd
     for (int c = 0; c < NR; ++c) t.l[c] *= t.alpha[c];
