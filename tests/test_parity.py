@@ -850,3 +850,53 @@ def test_alibi_raw_scores_that_fall_as_the_bias_rises(isa, dtype, slope):
     two-pass way, and a reference that ends far above every score moves down (lower_reference)."""
     got, want = _alibi_far_block(dtype, slope)
     np.testing.assert_allclose(got, want, rtol=2e-6 if dtype == np.float32 else 1e-12)
+
+
+@pytest.mark.parametrize("dtype, rise", [(np.float32, 99.0), (np.float64, 990.0)], ids=["f32", "f64"])
+def test_alibi_rise_on_top_of_a_stale_reference(isa, dtype, rise):
+    """Found by an adversarial pass over the change above: a block 60 binades under its
+    reference (which lower_reference allows up to 64), then a bias rise just under kRiseMax taken
+    ahead, put the earlier keys 159 binades down (float64: 1050), past the floor: half the weight
+    was lost (float32 output error 0.71, lse off by ln 2) in every kernel set. The rise is now
+    measured from the best score taken in, not from the reference."""
+    bk, lq = 128, 16
+    lk = 3 * bk + lq
+    s = rise / np.log2(np.e) / bk  # the bias rises by `rise` binades a 128-key block
+    x = 60 / np.log2(np.e)  # block 1 lies 60 binades under its reference
+    raw = np.zeros(lk)
+    raw[bk : 2 * bk] = -x
+    raw[2 * bk : 3 * bk] = -x - s * bk  # block 2 scores as high as block 1 after its bias
+    raw[3 * bk :] = -x - 2 * s * bk
+    q = np.zeros((1, 1, lq, 2), dtype)
+    q[..., 0] = 1
+    k = np.zeros((1, 1, lk, 2), dtype)
+    k[0, 0, :, 0] = raw
+    v = np.random.default_rng(0).standard_normal((1, 1, lk, 2)).astype(dtype)
+    kw = dict(
+        scale=1.0, is_causal=True, causal_align="bottom_right", alibi_slopes=np.array([s], dtype), return_lse=True
+    )
+    o, lse = pyattn.scaled_dot_product_attention(q, k, v, **kw)
+    wo, wl = reference.scaled_dot_product_attention(*(a.astype(np.float64) for a in (q, k, v)), **kw)
+    tol = 1e-5 if dtype == np.float32 else 1e-10
+    np.testing.assert_allclose(o, wo, rtol=0, atol=tol * np.abs(wo).max())
+    np.testing.assert_allclose(lse, wl, rtol=0, atol=1e-4 if dtype == np.float32 else 1e-9)
+
+
+def test_alibi_negative_slope_with_a_sink(isa):
+    """Found by the same pass: a negative slope (the bias grows with distance), non-causal, one
+    key 140 above the rest: rows 18-30 lost the key's weight on the 128-key-block sets (output
+    error 0.35, lse 34.9); the same bias as an additive mask was right."""
+    rng = np.random.default_rng(5)
+    lq, lk, slope = 300, 257, -0.48
+    q = rng.standard_normal((1, 1, lq, 2))
+    q[..., 0] = 1
+    q[..., 1] *= 0.3
+    k = rng.standard_normal((1, 1, lk, 2))
+    k[0, 0, 0, 0] = 140.0
+    v = rng.standard_normal((1, 1, lk, 2))
+    q, k, v = (a.astype(np.float32) for a in (q, k, v))
+    kw = dict(scale=1.0, alibi_slopes=np.array([slope], np.float32), return_lse=True)
+    o, lse = pyattn.scaled_dot_product_attention(q, k, v, **kw)
+    wo, wl = reference.scaled_dot_product_attention(*(a.astype(np.float64) for a in (q, k, v)), **kw)
+    np.testing.assert_allclose(o, wo, rtol=0, atol=1e-5 * np.abs(wo).max())
+    np.testing.assert_allclose(lse, wl, rtol=1e-5)

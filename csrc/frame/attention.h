@@ -504,10 +504,11 @@ struct Attention {
   // which then sees only the spread of the raw scores. The bound must be reached by a visible
   // key: one too high would leave every visible score far below the reference (underflow), so
   // it is not taken with a mask (which may hide any key; the caller skips this then).
-  // A rise past kRiseMax is not taken ahead: scaling l and acc by 2^-d would leave nothing of the
-  // earlier keys if the block's raw scores fell by as much (a key far above the rest early in the
-  // row), and the fused kernel could not tell. The block goes the two-pass way instead, which
-  // takes its reference from the scores it finds.
+  // A rise that would put the reference more than kRiseMax above the best score taken in (top) is
+  // not taken ahead: scaling l and acc by 2^-d would leave nothing of the earlier keys if the
+  // block's raw scores fell by as much (a key far above the rest early in the row), and the fused
+  // kernel could not tell. The block goes the two-pass way instead, which takes its reference
+  // from the scores it finds.
   static constexpr T kRiseMax = T(sizeof(T) == 4 ? 100 : 996);
   void anticipate_bias(const Problem& p, index_t qp, index_t k0, index_t kb, Tile& t) const {
     bool moved = false, steep = false;
@@ -531,7 +532,7 @@ struct Attention {
       T f = T(1);
       if (t.ready && b > t.bhw[c] && t.bhw[c] > -kInf) {
         const T d = std::ceil(b - t.bhw[c]);
-        if (d > kRiseMax) {
+        if (d + (t.m[c] - t.top[c]) > kRiseMax) {  // the earlier keys' best would fall that far
           steep = true;
         } else {
           f = exp2_floored(T(-d));
