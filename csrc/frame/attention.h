@@ -442,14 +442,9 @@ struct Attention {
       overflow |= t.cmax[c] > kRescaleMax;
       const T top = t.cmax[c] + t.sub[c];
       t.top[c] = top > t.top[c] ? top : t.top[c];
-      under |= t.m[c] - t.top[c] > kUnder;
+      under |= ALIBI && t.m[c] - t.top[c] > kUnder;  // small weights went under the floor
     }
-    if (ALIBI && under) {  // this block's small weights went under the floor: redo it lower
-      scores<CAP, ALIBI>(p, qp, k0, kb, blk, &t, 1, nullptr, false);
-      online_softmax(kb, t);
-      return;
-    }
-    if (overflow) {
+    if (overflow || under) {  // redo the block two-pass (online_softmax lowers a far reference)
       scores<CAP, ALIBI>(p, qp, k0, kb, blk, &t, 1, nullptr, false);
       online_softmax(kb, t);
       return;

@@ -13,7 +13,8 @@ namespace avx2 {
 // exp2 for x <= 128 (float) / 1024 (double): x = n + f, |f| <= 1/2, 2^f by a Taylor polynomial
 // in f*ln2, 2^n built in the exponent field. x below the smallest normal exponent, -126 (-1022),
 // gives 0, never a subnormal (common.h, kExp2Floor): a kept x rounds to n >= -126 with f >= 0 at
-// n = -126, a normal product. NaN stays NaN (the ordered compare is false for it, and max with x second returns it).
+// n = -126, a normal product. NaN stays NaN (the ordered compare is false for it, and max with x
+// second returns it).
 static inline __m256 exp2_ps(__m256 x) {
   const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(float(kExp2Floor<float>)), _CMP_LT_OQ);
   x = _mm256_max_ps(_mm256_set1_ps(float(kExp2Floor<float>)), x);
