@@ -27,10 +27,17 @@
 // batch*heads is 1. Sinks join each row's statistics once, when it is finished.
 #pragma once
 
+// Lanes of the kernel set's vectors (K::L), 1 for scalar kernels: the column granularity at which
+// the micro-kernels compute a panel.
+template <class K, class = void>
+struct vector_lanes : std::integral_constant<int, 1> {};
+template <class K>
+struct vector_lanes<K, std::void_t<decltype(K::L)>> : std::integral_constant<int, int(K::L)> {};
+
 template <class K, class KV = typename K::T>
 struct Attention {
   using T = typename K::T;
-  static constexpr int MR = K::MR, NR = K::NR, BK = K::BK;
+  static constexpr int MR = K::MR, NR = K::NR, BK = K::BK, VL = vector_lanes<K>::value;
   static constexpr int kMaxNP = K::NP > K::NPW ? K::NP : K::NPW;
   static constexpr T kInf = NumLimits<T>::inf;
   static constexpr bool kHalf = !std::is_same<KV, T>::value;           // K/V stored as float16 / bfloat16 / int8
@@ -118,22 +125,23 @@ struct Attention {
   // One query panel's state: NR queries, each a column of the transposed tiles. Every buffer
   // has one role; the vectors of per-query statistics are NR long.
   struct Tile {
-    T* qt;       // E x NR: the panel's queries, transposed and scaled by s2 (zero beyond nr)
-    T* st;       // BK x NR: S^T of the current key block, then P^T in place
-    T* acc;      // Ev x NR: the unnormalised output, transposed
-    T* m;        // reference per query (log2 units): -inf until a key was visible
-    T* l;        // sum of P per query, relative to m
-    T* sub;      // exponent offset: m, or 0 where m = -inf (so exp2(-inf - sub) = 0, never NaN)
-    T* alpha;    // rescale of l and acc by the last two-pass update
-    T* cmax;     // column max of the block's scores (fused path: of S^T - sub)
-    T* csum;     // column sums of the block's P^T
-    T* inv;      // 1 / l (0 where no key was visible, NaN where l is), once the panel is finished
-    T* bhw;      // ALiBi: the largest bias of the blocks taken in so far (see anticipate_bias)
-    T* top;      // the largest score taken in so far (log2 units; see lower_reference)
-    bool ready;  // every m is finite: unmasked blocks may take the fused path
-    bool fresh;  // no key block taken in yet (l and acc are 0)
-    int nr;      // the panel's real queries: kernels compute only the vectors that hold them,
-                 // and the rest of st holds finite filler
+    T* qt;         // E x NR: the panel's queries, transposed, scaled by s2, 0 past nr in its vector
+    T* st;         // BK x NR: S^T of the current key block, then P^T in place
+    T* acc;        // Ev x NR: the unnormalised output, transposed
+    T* m;          // reference per query (log2 units): -inf until a key was visible
+    T* l;          // sum of P per query, relative to m
+    T* sub;        // exponent offset: m, or 0 where m = -inf (so exp2(-inf - sub) = 0, never NaN)
+    T* alpha;      // rescale of l and acc by the last two-pass update
+    T* cmax;       // column max of the block's scores (fused path: of S^T - sub)
+    T* csum;       // column sums of the block's P^T
+    T* inv;        // 1 / l (0 where no key was visible, NaN where l is), once the panel is finished
+    T* bhw;        // ALiBi: the largest bias of the blocks taken in so far (see anticipate_bias)
+    T* top;        // the largest score taken in so far (log2 units; see lower_reference)
+    bool ready;    // every m is finite: unmasked blocks may take the fused path
+    bool fresh;    // no key block taken in yet (l is 0, acc means 0)
+    bool acc_set;  // acc written: the first block's accumulate writes it (zeroing it cost 5%)
+    int nr;        // the panel's real queries: kernels compute only the vectors that hold them,
+                   // and the rest of st holds finite filler
   };
   static constexpr int kStatVectors = 9;  // m, l, sub, alpha, cmax, csum, inv, bhw, top
 
@@ -152,6 +160,7 @@ struct Attention {
     for (int i = 0; i < kStatVectors; ++i) *vecs[i] = stats + i * NR;
     t.ready = false;
     t.fresh = true;
+    t.acc_set = false;
     t.nr = NR;
     return t;
   }
@@ -166,27 +175,28 @@ struct Attention {
       t.bhw[c] = -kInf;
       t.top[c] = -kInf;
     }
-    for (index_t x = 0; x < a.Ev * NR; ++x) t.acc[x] = T(0);
     t.ready = false;
     t.fresh = true;
+    t.acc_set = false;
   }
 
-  // acc^T[d, c] *= f[c] for every value column d
+  // acc^T[d, c] *= f[c] for every value column d (nothing while acc is still 0)
   void scale_acc(Tile& t, const T* f) const {
+    if (!t.acc_set) return;
     for (index_t d = 0; d < a.Ev; ++d) {
       T* ad = t.acc + d * NR;
 #pragma omp simd
-      for (int c = 0; c < NR; ++c) ad[c] *= f[c];
+      for (int c = 0; c < t.nr; ++c) ad[c] *= f[c];  // the columns past nr were never written
     }
   }
 
-  // qt[e*NR + q] = Q[q0+q, e] * s2, zero beyond the qc real queries.
+  // qt[e*NR + q] = Q[q0+q, e] * s2, zero beyond the qc real queries up to the end of their last
+  // vector (the kernels read no further).
   PYATTN_PHASE void pack_qt(const T* q, index_t qc, T* qt) const {
-    if (qc < NR)
-      for (index_t e = 0; e < a.E; ++e)
-        for (index_t c = qc; c < NR; ++c) qt[e * NR + c] = T(0);
-    K::transpose(q, a.q_rs, qc, a.E, qt, NR);
-    for (index_t x = 0; x < a.E * NR; ++x) qt[x] *= s2;
+    const index_t end = min_of<index_t>(NR, ceil_div(qc, index_t(VL)) * VL);
+    for (index_t e = 0; e < a.E; ++e)
+      for (index_t c = qc; c < end; ++c) qt[e * NR + c] = T(0);
+    K::transpose(q, a.q_rs, qc, a.E, qt, NR, UniformScale<T>{s2});
   }
 
   // s[j*stride] = -inf where key k0+j (j < kb) is hidden from query qi of problem p (outside
@@ -294,7 +304,12 @@ struct Attention {
                                                t[i].st + j * NR, NR, t[i].nr, t[i].sub, t[i].cmax, t[i].csum, p.md,
                                                T(q0 + i * NR + p.off - (k0 + j)));
         } else {
-          K::ukernel(mr, a.E, blk.k + j * blk.k_rs, blk.k_rs, 1, t[i].qt, NR, t[i].st + j * NR, NR, t[i].nr, false);
+          // columns before c0 cannot see key k0 + j, nor the later keys of these rows: mask_row
+          // sets all of them to -inf, so they are not computed
+          const int c0 = hidden_vectors(p, q0 + i * NR, k0 + j, t[i].nr);
+          if (c0 < t[i].nr)
+            K::ukernel(mr, a.E, blk.k + j * blk.k_rs, blk.k_rs, 1, t[i].qt + c0, NR, t[i].st + j * NR + c0, NR,
+                       t[i].nr - c0, false);
           mod_rows<CAP, ALIBI>(p, q0 + i * NR, k0, j, mr, t[i]);
         }
       }
@@ -305,6 +320,15 @@ struct Attention {
       const index_t qp = q0 + i * NR, qc = min_of<index_t>(NR, p.Lq - qp);
       for (index_t c = 0; c < qc; ++c) mask_row(p, qp + c, k0, kb, t[i].st + c, NR);
     }
+  }
+
+  // The leading columns of a panel (queries from qp, nr of them), in whole vectors, whose right
+  // edge (causal, window, kv_lens) lies at or before key kj: they see no key from kj on. Only a
+  // masked block has any (an unmasked one is inside every query's edges), so mask_row follows.
+  int hidden_vectors(const Problem& p, index_t qp, index_t kj, int nr) const {
+    int c = 0;
+    while (c + VL <= nr && hi(p, qp + c + VL - 1) <= kj) c += VL;
+    return c;
   }
 
   //   cm[c] = max over rows j < rows of st[j*NR + c] (-inf for no rows; NaN is skipped)
@@ -476,7 +500,7 @@ struct Attention {
   }
 
   // acc^T += V_blk^T P^T for every panel, eight value columns at a time across the panels.
-  PYATTN_PHASE void accumulate(const Problem& p, index_t k0, index_t kb, const Block& blk, Tile* t, int np,
+  PYATTN_PHASE void accumulate(const Problem& p, index_t q0, index_t k0, index_t kb, const Block& blk, Tile* t, int np,
                                index_t kend) const {
     // The next block's K rows, spread over the value-column steps.
     const index_t nnext = min_of<index_t>(BK, kend - k0 - kb),
@@ -484,8 +508,29 @@ struct Attention {
     for (index_t d = 0, r = 0; d < a.Ev; d += MR, r += per) {
       const int mr = int(min_of<index_t>(MR, a.Ev - d));
       if (r < nnext) prefetch_keys(p, k0 + kb + r, min_of<index_t>(per, nnext - r));
-      for (int i = 0; i < np; ++i)
-        K::ukernel(mr, kb, blk.v + d, 1, blk.v_rs, t[i].st, NR, t[i].acc + d * NR, NR, t[i].nr, true);
+      for (int i = 0; i < np; ++i) pv_panel(p, q0 + i * NR, k0, kb, blk.v + d, blk.v_rs, mr, t[i], d);
+    }
+    for (int i = 0; i < np; ++i) t[i].acc_set = true;
+  }
+
+  // acc^T[d:d+mr] (+)= V_blk^T[d:d+mr] P^T over the rows of P^T each vector of queries may hold:
+  // on a block cut by the right edge (the causal diagonal) a vector's queries see keys only up to
+  // their last query's edge, and the rest of its P^T column is 0. Rows [0, e0) go to every vector,
+  // then rows [e0, e1) to the vectors after the first, and so on (e_v: the keys vector v sees).
+  void pv_panel(const Problem& p, index_t qp, index_t k0, index_t kb, const T* v, index_t v_rs, int mr, Tile& t,
+                index_t d) const {
+    bool acc = t.acc_set;
+    index_t r0 = 0;
+    for (int c = 0; c < t.nr;) {
+      // this vector's rows end where its last query's keys do; later vectors see at least as far
+      const int last = min_of<int>(t.nr, c + VL) - 1;
+      const index_t e = min_of<index_t>(kb, max_of<index_t>(r0, hi(p, qp + last) - k0));
+      if (e > r0 || !acc)
+        K::ukernel(mr, e - r0, v + r0 * v_rs, 1, v_rs, t.st + r0 * NR + c, NR, t.acc + d * NR + c, NR, t.nr - c, acc);
+      acc = true;
+      r0 = e;
+      c += VL;
+      if (r0 >= kb) break;
     }
   }
 
@@ -573,7 +618,7 @@ struct Attention {
       // finite filler once (the column statistics run over all NR columns).
       t[i].nr = int(qc);
       if (qc < NR)
-        for (index_t j = 0; j < BK; ++j)
+        for (index_t j = 0, rows = min_of<index_t>(BK, kend - kbeg); j < rows; ++j)
           for (index_t c = qc; c < NR; ++c) t[i].st[j * NR + c] = T(0);
       reset_panel(t[i]);
     }
@@ -602,7 +647,7 @@ struct Attention {
           online_softmax(kb, ta[i]);
         ta[i].fresh = false;
       }
-      accumulate(p, k0, kb, value_block(p, k0, kb, cv), ta, na, kend);
+      accumulate(p, qa, k0, kb, value_block(p, k0, kb, cv), ta, na, kend);
     }
     for (int i = 0; i < np; ++i) finish_panel<CAP, ALIBI>(p, first_q(q0, i), t[i], cv);
   }
@@ -647,8 +692,9 @@ struct Attention {
     } else {
       for (int c = 0; c < NR; ++c) t.inv[c] = inv_of(t.l[c]);
     }
-    scale_acc(t, t.inv);
-    K::transpose(t.acc, NR, a.Ev, qc, o, a.o_rs);
+    if (!t.acc_set)  // no key block was taken in
+      for (index_t x = 0; x < a.Ev * NR; ++x) t.acc[x] = T(0);
+    K::transpose(t.acc, NR, a.Ev, qc, o, a.o_rs, ColumnScale<T>{t.inv});  // out = acc / l
     if (lse)
       for (index_t c = 0; c < qc; ++c) lse[a.lseoff[p.bh] + (q0 + c) * a.lse_s] = lse_of(p, t.sub[c], t.l[c]);
     if (weights) weights_panel<CAP, ALIBI>(p, q0, qc, t, cv);

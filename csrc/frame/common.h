@@ -193,10 +193,34 @@ inline void prefetch_rows_l2(const T* p, index_t rs, index_t rows, index_t cols)
     for (index_t c = 0; c < cols; c += line) PYATTN_PREFETCH_L2(p + r * rs + c);
 }
 
+// Scales a transpose may apply on the way, one per source column c (at(c)): none, one for all
+// (the query panel's scale * log2(e)) or one each (a panel's 1 / l, on the way out), so that the
+// tile is not swept a second time to scale it.
+struct NoScale {};
 template <class T>
-inline void transpose_ref(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
+struct UniformScale {
+  T s;
+  T at(index_t) const { return s; }
+};
+template <class T>
+struct ColumnScale {
+  const T* s;
+  T at(index_t c) const { return s[c]; }
+};
+template <class T, class Scale>
+inline T scaled(T x, const Scale& sc, index_t c) {
+  if constexpr (std::is_same<Scale, NoScale>::value)
+    return x;
+  else
+    return x * sc.at(c);
+}
+
+//   dst[c*drs + r] = src[r*srs + c] * scale(c)
+template <class T, class Scale = NoScale>
+inline void transpose_ref(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs,
+                          const Scale& sc = Scale{}) {
   for (index_t r = 0; r < rows; ++r)
-    for (index_t c = 0; c < cols; ++c) dst[c * drs + r] = src[r * srs + c];
+    for (index_t c = 0; c < cols; ++c) dst[c * drs + r] = scaled(src[r * srs + c], sc, c);
 }
 
 //   s[j*stride] = -inf where a bool mask row is false; s[j*stride] += mask * unit for an

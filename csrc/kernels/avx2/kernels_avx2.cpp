@@ -157,16 +157,20 @@ struct OpsF64 {
 struct sgemm_ukernel_6x16_avx2 : RegTileKernels<OpsF32, 6, 2> {
   static constexpr int NP = 4, NPW = 8;
   static constexpr index_t MC = 120, KC = 256, NC = 512, BK = 256;
-  //   dst[c*drs + r] = src[r*srs + c], in 8 x 8 register blocks
-  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
-    transpose_ps(src, srs, rows, cols, dst, drs);
+  //   dst[c*drs + r] = src[r*srs + c] * scale(c), in 8 x 8 register blocks
+  template <class Scale = NoScale>
+  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs,
+                        const Scale& sc = Scale{}) {
+    transpose_ps(src, srs, rows, cols, dst, drs, sc);
   }
 };
 struct dgemm_ukernel_6x8_avx2 : RegTileKernels<OpsF64, 6, 2> {
   static constexpr int NP = 4, NPW = 4;
   static constexpr index_t MC = 120, KC = 256, NC = 256, BK = 128;
-  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
-    transpose_ref<T>(src, srs, rows, cols, dst, drs);
+  template <class Scale = NoScale>
+  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs,
+                        const Scale& sc = Scale{}) {
+    transpose_ref<T>(src, srs, rows, cols, dst, drs, sc);
   }
 };
 

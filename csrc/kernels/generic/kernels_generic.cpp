@@ -116,8 +116,10 @@ struct sgemm_ukernel_4x16_generic : GenericKernels<float> {
   using T = float;
   static constexpr int MR = 4, NR = 16, NP = 2, NPW = 2;
   static constexpr index_t MC = 128, KC = 256, NC = 512, BK = 128;
-  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
-    transpose_ref<T>(src, srs, rows, cols, dst, drs);
+  template <class Scale = NoScale>
+  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs,
+                        const Scale& sc = Scale{}) {
+    transpose_ref<T>(src, srs, rows, cols, dst, drs, sc);
   }
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool accumulate) {
@@ -135,8 +137,10 @@ struct dgemm_ukernel_4x8_generic : GenericKernels<double> {
   using T = double;
   static constexpr int MR = 4, NR = 8, NP = 2, NPW = 2;
   static constexpr index_t MC = 128, KC = 256, NC = 256, BK = 128;
-  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
-    transpose_ref<T>(src, srs, rows, cols, dst, drs);
+  template <class Scale = NoScale>
+  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs,
+                        const Scale& sc = Scale{}) {
+    transpose_ref<T>(src, srs, rows, cols, dst, drs, sc);
   }
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool accumulate) {

@@ -32,15 +32,19 @@ namespace neon {
 struct sgemm_ukernel_8x12_neon : RegTileKernels<OpsF32, 8, 3> {
   static constexpr int NP = 4, NPW = 4;
   static constexpr index_t MC = 120, KC = 256, NC = 480, BK = 128;
-  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
-    transpose_ps(src, srs, rows, cols, dst, drs);
+  template <class Scale = NoScale>
+  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs,
+                        const Scale& sc = Scale{}) {
+    transpose_ps(src, srs, rows, cols, dst, drs, sc);
   }
 };
 struct dgemm_ukernel_8x6_neon : RegTileKernels<OpsF64, 8, 3> {
   static constexpr int NP = 4, NPW = 4;
   static constexpr index_t MC = 120, KC = 256, NC = 240, BK = 128;
-  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs) {
-    transpose_ref<T>(src, srs, rows, cols, dst, drs);
+  template <class Scale = NoScale>
+  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs,
+                        const Scale& sc = Scale{}) {
+    transpose_ref<T>(src, srs, rows, cols, dst, drs, sc);
   }
 };
 

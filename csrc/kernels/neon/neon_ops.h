@@ -286,11 +286,24 @@ struct OpsF64 {
   }
 };
 
-// 4 x 4 float transposes: trn1/trn2 on 32-bit lanes, then on 64-bit halves.
-//   dst[c*drs + r] = src[r*srs + c] for a 4 x 4 block
-static inline void transpose4x4_ps(const float* src, index_t srs, float* dst, index_t drs) {
-  const float32x4_t r0 = vld1q_f32(src), r1 = vld1q_f32(src + srs), r2 = vld1q_f32(src + 2 * srs),
-                    r3 = vld1q_f32(src + 3 * srs);
+// 4 x 4 float transposes: trn1/trn2 on 32-bit lanes, then on 64-bit halves; an optional scale per
+// source column (common.h, NoScale) applied to the rows as they are loaded.
+static inline float32x4_t col_scale4(const UniformScale<float>& sc, index_t) { return vdupq_n_f32(sc.s); }
+static inline float32x4_t col_scale4(const ColumnScale<float>& sc, index_t c0) { return vld1q_f32(sc.s + c0); }
+
+//   dst[c*drs + r] = src[r*srs + c] * scale(c) for a 4 x 4 block
+template <class Scale = NoScale>
+static inline void transpose4x4_ps(const float* src, index_t srs, float* dst, index_t drs, const Scale& sc = Scale{},
+                                   index_t c0 = 0) {
+  float32x4_t r0 = vld1q_f32(src), r1 = vld1q_f32(src + srs), r2 = vld1q_f32(src + 2 * srs),
+              r3 = vld1q_f32(src + 3 * srs);
+  if constexpr (!std::is_same<Scale, NoScale>::value) {
+    const float32x4_t s = col_scale4(sc, c0);
+    r0 = vmulq_f32(r0, s);
+    r1 = vmulq_f32(r1, s);
+    r2 = vmulq_f32(r2, s);
+    r3 = vmulq_f32(r3, s);
+  }
   const float64x2_t t0 = vreinterpretq_f64_f32(vtrn1q_f32(r0, r1)), t1 = vreinterpretq_f64_f32(vtrn2q_f32(r0, r1)),
                     t2 = vreinterpretq_f64_f32(vtrn1q_f32(r2, r3)), t3 = vreinterpretq_f64_f32(vtrn2q_f32(r2, r3));
   vst1q_f32(dst, vreinterpretq_f32_f64(vtrn1q_f64(t0, t2)));
@@ -299,15 +312,18 @@ static inline void transpose4x4_ps(const float* src, index_t srs, float* dst, in
   vst1q_f32(dst + 3 * drs, vreinterpretq_f32_f64(vtrn2q_f64(t1, t3)));
 }
 
-//   dst[c*drs + r] = src[r*srs + c], r < rows, c < cols: 4 x 4 blocks in registers, edges scalar
-static inline void transpose_ps(const float* src, index_t srs, index_t rows, index_t cols, float* dst, index_t drs) {
+//   dst[c*drs + r] = src[r*srs + c] * scale(c), r < rows, c < cols: 4 x 4 blocks in registers,
+//   edges scalar
+template <class Scale = NoScale>
+static inline void transpose_ps(const float* src, index_t srs, index_t rows, index_t cols, float* dst, index_t drs,
+                                const Scale& sc = Scale{}) {
   index_t r0 = 0;
   for (; r0 + 4 <= rows; r0 += 4) {
     index_t c0 = 0;
-    for (; c0 + 4 <= cols; c0 += 4) transpose4x4_ps(src + r0 * srs + c0, srs, dst + c0 * drs + r0, drs);
+    for (; c0 + 4 <= cols; c0 += 4) transpose4x4_ps(src + r0 * srs + c0, srs, dst + c0 * drs + r0, drs, sc, c0);
     for (; c0 < cols; ++c0)
-      for (index_t r = r0; r < r0 + 4; ++r) dst[c0 * drs + r] = src[r * srs + c0];
+      for (index_t r = r0; r < r0 + 4; ++r) dst[c0 * drs + r] = scaled(src[r * srs + c0], sc, c0);
   }
   for (; r0 < rows; ++r0)
-    for (index_t c = 0; c < cols; ++c) dst[c * drs + r0] = src[r0 * srs + c];
+    for (index_t c = 0; c < cols; ++c) dst[c * drs + r0] = scaled(src[r0 * srs + c], sc, c);
 }
