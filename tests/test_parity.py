@@ -717,6 +717,54 @@ def test_nan_propagates(isa, dtype, rng):
     assert np.isfinite(np.delete(out, 1, axis=-1)).all()
 
 
+@pytest.mark.parametrize("kv", ["f32", "f64", "f16", "bf16"])
+@pytest.mark.parametrize(
+    "lq, lk, group",
+    [(1, 9, 1), (2, 7, 4), (3, 70, 2), (5, 1, 1), (16, 16, 1), (32, 32, 4), (40, 130, 1), (100, 77, 2)],
+)
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(is_causal=True),
+        dict(is_causal=True, causal_align="bottom_right"),
+        dict(window=(5, 0), is_causal=True, causal_align="bottom_right"),
+        dict(window=(3, 2)),
+        dict(kv_lens="half"),
+    ],
+    ids=["causal", "causal_br", "window_causal", "window", "kv_lens"],
+)
+def test_a_nan_value_hidden_by_position_stays_out(isa, kv, lq, lk, group, kw, rng):
+    """api.md: keys a query cannot see by position are never part of its output, not even as 0 *
+    NaN, on the decode path (few queries) and the prefill tiles alike, where an edge crosses a block
+    (every query of a vector or tile of the kernel used to take the whole block's values)."""
+    dtype = np.float64 if kv == "f64" else np.float32
+    kvt = {"f32": np.float32, "f64": np.float64, "f16": np.float16}.get(kv)
+    if kv == "bf16":
+        kvt = pytest.importorskip("ml_dtypes").bfloat16
+    kw = dict(kw)
+    if kw.get("kv_lens") == "half":
+        kw["kv_lens"] = np.array([max(1, lk // 2)])
+    hkv = 2
+    q = randn(rng, (1, hkv * group, lq, 16), dtype)
+    k = randn(rng, (1, hkv, lk, 16), dtype).astype(kvt)
+    v = randn(rng, (1, hkv, lk, 16), dtype).astype(kvt)
+    clean = v.astype(dtype)
+    _, w = ref_sdpa(q, k.astype(dtype), clean, enable_gqa=group > 1, return_weights=True, **kw)
+    seen = w[0, ::group] > 0  # (hkv, lq, lk): which keys each query of the kv head's first query head sees
+    for bad in (np.nan, np.inf):
+        for j in {0, lk // 3, lk - 1}:
+            v2 = v.copy()
+            v2[0, :, j, 3] = bad
+            got = sdpa(q, k, v2, enable_gqa=group > 1, **kw)
+            want = ref_sdpa(q, k.astype(dtype), clean, enable_gqa=group > 1, **kw)
+            for h in range(hkv * group):
+                sees = seen[h // group, :, j]
+                rows = got[0, h][~sees]
+                assert_close(rows, want[0, h][~sees], dtype, what=f"head {h}, rows that cannot see key {j}")
+                if np.isnan(bad):
+                    assert np.isnan(got[0, h][sees, 3]).all()
+
+
 @dtype_param
 def test_inf_input_does_not_crash(isa, dtype, rng):
     """An inf in a key: NaN exactly in the rows where it makes the scores +inf (as the reference),

@@ -505,12 +505,80 @@ struct Attention {
     // The next block's K rows, spread over the value-column steps.
     const index_t nnext = min_of<index_t>(BK, kend - k0 - kb),
                   per = ceil_div(nnext, max_of<index_t>(1, ceil_div(a.Ev, MR)));
+    // Keys hidden by position are never part of an output, not even as 0 * NaN: on a block that
+    // an edge crosses, a value row that is not finite sends the block to pv_exact.
+    const index_t qz = min_of<index_t>(p.Lq, q0 + index_t(np) * NR) - 1;
+    const bool exact = !(k0 + kb <= hi(p, q0) && k0 >= lo(p, qz)) && !finite_rows(blk.v, blk.v_rs, kb, a.Ev);
     for (index_t d = 0, r = 0; d < a.Ev; d += MR, r += per) {
       const int mr = int(min_of<index_t>(MR, a.Ev - d));
       if (r < nnext) prefetch_keys(p, k0 + kb + r, min_of<index_t>(per, nnext - r));
-      for (int i = 0; i < np; ++i) pv_panel(p, q0 + i * NR, k0, kb, blk.v + d, blk.v_rs, mr, t[i], d);
+      for (int i = 0; i < np; ++i) {
+        if (exact)
+          pv_exact(p, q0 + i * NR, k0, kb, blk.v + d, blk.v_rs, mr, t[i], d);
+        else
+          pv_panel(p, q0 + i * NR, k0, kb, blk.v + d, blk.v_rs, mr, t[i], d);
+      }
     }
     for (int i = 0; i < np; ++i) t[i].acc_set = true;
+  }
+
+  // Whether the n elements of each of the rows are all finite, in the storage type: NaN and inf
+  // have every exponent bit set in float16 and bfloat16, int8 has neither.
+  static bool finite_kv_rows(const KV* const* rows, index_t nrows, index_t n) {
+    if constexpr (kInt8) {
+      return true;
+    } else if constexpr (kHalf) {
+      const std::uint16_t e = std::is_same<KV, f16_t>::value ? 0x7c00u : 0x7f80u;
+      std::uint16_t bad = 0;
+      for (index_t r = 0; r < nrows; ++r)
+        for (index_t c = 0; c < n; ++c) bad |= std::uint16_t((rows[r][c].bits & e) == e);
+      return bad == 0;
+    } else {
+      for (index_t r = 0; r < nrows; ++r)
+        if (!finite_rows(rows[r], 0, 1, n)) return false;
+      return true;
+    }
+  }
+
+  // Whether rows [0, rows) of n elements, rs apart, are all finite: the largest exponent field
+  // (an unsigned max, which does not wait on the previous step as a float sum does; that sum cost
+  // a 32-token prefill 8%) is below all ones (inf and NaN).
+  static bool finite_rows(const T* x, index_t rs, index_t rows, index_t n) {
+    using U = typename std::conditional<sizeof(T) == 4, std::uint32_t, std::uint64_t>::type;
+    constexpr U kExp = sizeof(T) == 4 ? U(0x7f800000u) : U(0x7ff0000000000000ull);
+    U top = 0;
+    if (rs == n) {  // one run: no per-row reduction of the vector
+      n *= rows;
+      rows = 1;
+    }
+    for (index_t r = 0; r < rows; ++r) {
+      const T* xr = x + r * rs;
+#pragma omp simd reduction(max : top)
+      for (index_t c = 0; c < n; ++c) {
+        U u;
+        std::memcpy(&u, xr + c, sizeof(U));
+        const U e = u & kExp;
+        top = e > top ? e : top;
+      }
+    }
+    return top != kExp;
+  }
+
+  // pv_panel for a block with a value row that is not finite: each query takes exactly the keys it
+  // sees, one product at a time (rare: NaN or inf values where an edge crosses the block).
+  void pv_exact(const Problem& p, index_t qp, index_t k0, index_t kb, const T* v, index_t v_rs, int mr, Tile& t,
+                index_t d) const {
+    T* acc = t.acc + d * NR;
+    if (!t.acc_set)
+      for (int x = 0; x < mr; ++x)
+        for (int c = 0; c < t.nr; ++c) acc[x * NR + c] = T(0);
+    for (int c = 0; c < t.nr; ++c) {
+      const index_t j0 = max_of<index_t>(0, lo(p, qp + c) - k0), j1 = min_of<index_t>(kb, hi(p, qp + c) - k0);
+      for (index_t j = j0; j < j1; ++j) {
+        const T w = t.st[j * NR + c];
+        for (int x = 0; x < mr; ++x) acc[x * NR + c] += w * v[j * v_rs + x];
+      }
+    }
   }
 
   // acc^T[d:d+mr] (+)= V_blk^T[d:d+mr] P^T over the rows of P^T each vector of queries may hold:
@@ -918,7 +986,20 @@ struct Attention {
       // rows wherever they lie
       const KV* vrows[DB];
       rows_at(vb0, a.v_rs, a.v_ps, *cur, k0, kb, vrows);
-      K::pv_rows(r.s, DB, r.R, kb, vrows, Ev, r.acc);
+      // Keys hidden by position stay out of a row's output even as 0 * NaN (as in the prefill's
+      // accumulate): where an edge crosses the block and a value row is not finite, each row
+      // takes only the keys it sees.
+      bool edge = false;
+      for (index_t x = 0; x < r.R; ++x) edge |= lo(rp[x], x % Lq) > k0 || hi(rp[x], x % Lq) < k0 + kb;
+      if (!edge || finite_kv_rows(vrows, kb, Ev)) {
+        K::pv_rows(r.s, DB, r.R, kb, vrows, Ev, r.acc);
+      } else {
+        for (index_t x = 0; x < r.R; ++x) {
+          const index_t qi = x % Lq, jl = min_of<index_t>(kb, max_of<index_t>(0, lo(rp[x], qi) - k0)),
+                        jh = max_of<index_t>(jl, min_of<index_t>(kb, hi(rp[x], qi) - k0));
+          if (jh > jl) K::pv_rows(r.s + x * DB + jl, DB, 1, jh - jl, vrows + jl, Ev, r.acc + x * Ev);
+        }
+      }
     }
   }
 
