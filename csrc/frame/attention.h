@@ -505,10 +505,14 @@ struct Attention {
     // The next block's K rows, spread over the value-column steps.
     const index_t nnext = min_of<index_t>(BK, kend - k0 - kb),
                   per = ceil_div(nnext, max_of<index_t>(1, ceil_div(a.Ev, MR)));
-    // Keys hidden by position are never part of an output, not even as 0 * NaN: on a block that
-    // an edge crosses, a value row that is not finite sends the block to pv_exact.
+    // Keys hidden by position are never part of an output, not even as 0 * NaN: a value row that
+    // some of the panels' queries cannot see (before the last one's left edge, from the first
+    // one's right edge on) and that is not finite sends the block to pv_exact.
     const index_t qz = min_of<index_t>(p.Lq, q0 + index_t(np) * NR) - 1;
-    const bool exact = !(k0 + kb <= hi(p, q0) && k0 >= lo(p, qz)) && !finite_rows(blk.v, blk.v_rs, kb, a.Ev);
+    const index_t rl = min_of<index_t>(kb, max_of<index_t>(0, lo(p, qz) - k0)),
+                  rh = max_of<index_t>(rl, min_of<index_t>(kb, hi(p, q0) - k0));
+    const bool exact = (rl > 0 || rh < kb) && !(finite_rows(blk.v, blk.v_rs, rl, a.Ev) &&
+                                                finite_rows(blk.v + rh * blk.v_rs, blk.v_rs, kb - rh, a.Ev));
     for (index_t d = 0, r = 0; d < a.Ev; d += MR, r += per) {
       const int mr = int(min_of<index_t>(MR, a.Ev - d));
       if (r < nnext) prefetch_keys(p, k0 + kb + r, min_of<index_t>(per, nnext - r));
@@ -516,7 +520,7 @@ struct Attention {
         if (exact)
           pv_exact(p, q0 + i * NR, k0, kb, blk.v + d, blk.v_rs, mr, t[i], d);
         else
-          pv_panel(p, q0 + i * NR, k0, kb, blk.v + d, blk.v_rs, mr, t[i], d);
+          K::ukernel(mr, kb, blk.v + d, 1, blk.v_rs, t[i].st, NR, t[i].acc + d * NR, NR, t[i].nr, t[i].acc_set);
       }
     }
     for (int i = 0; i < np; ++i) t[i].acc_set = true;
@@ -564,8 +568,8 @@ struct Attention {
     return top != kExp;
   }
 
-  // pv_panel for a block with a value row that is not finite: each query takes exactly the keys it
-  // sees, one product at a time (rare: NaN or inf values where an edge crosses the block).
+  // acc^T[d:d+mr] (+)= V_blk^T[d:d+mr] P^T where a value row is not finite: each query takes
+  // exactly the keys it sees, one product at a time (rare: NaN or inf where an edge crosses).
   void pv_exact(const Problem& p, index_t qp, index_t k0, index_t kb, const T* v, index_t v_rs, int mr, Tile& t,
                 index_t d) const {
     T* acc = t.acc + d * NR;
@@ -578,27 +582,6 @@ struct Attention {
         const T w = t.st[j * NR + c];
         for (int x = 0; x < mr; ++x) acc[x * NR + c] += w * v[j * v_rs + x];
       }
-    }
-  }
-
-  // acc^T[d:d+mr] (+)= V_blk^T[d:d+mr] P^T over the rows of P^T each vector of queries may hold:
-  // on a block cut by the right edge (the causal diagonal) a vector's queries see keys only up to
-  // their last query's edge, and the rest of its P^T column is 0. Rows [0, e0) go to every vector,
-  // then rows [e0, e1) to the vectors after the first, and so on (e_v: the keys vector v sees).
-  void pv_panel(const Problem& p, index_t qp, index_t k0, index_t kb, const T* v, index_t v_rs, int mr, Tile& t,
-                index_t d) const {
-    bool acc = t.acc_set;
-    index_t r0 = 0;
-    for (int c = 0; c < t.nr;) {
-      // this vector's rows end where its last query's keys do; later vectors see at least as far
-      const int last = min_of<int>(t.nr, c + VL) - 1;
-      const index_t e = min_of<index_t>(kb, max_of<index_t>(r0, hi(p, qp + last) - k0));
-      if (e > r0 || !acc)
-        K::ukernel(mr, e - r0, v + r0 * v_rs, 1, v_rs, t.st + r0 * NR + c, NR, t.acc + d * NR + c, NR, t.nr - c, acc);
-      acc = true;
-      r0 = e;
-      c += VL;
-      if (r0 >= kb) break;
     }
   }
 
@@ -989,9 +972,13 @@ struct Attention {
       // Keys hidden by position stay out of a row's output even as 0 * NaN (as in the prefill's
       // accumulate): where an edge crosses the block and a value row is not finite, each row
       // takes only the keys it sees.
-      bool edge = false;
-      for (index_t x = 0; x < r.R; ++x) edge |= lo(rp[x], x % Lq) > k0 || hi(rp[x], x % Lq) < k0 + kb;
-      if (!edge || finite_kv_rows(vrows, kb, Ev)) {
+      index_t rl = 0, rh = kb;  // rows [0, rl) and [rh, kb) are hidden from some row x
+      for (index_t x = 0; x < r.R; ++x) {
+        rl = max_of<index_t>(rl, min_of<index_t>(kb, lo(rp[x], x % Lq) - k0));
+        rh = min_of<index_t>(rh, max_of<index_t>(0, hi(rp[x], x % Lq) - k0));
+      }
+      rh = max_of<index_t>(rh, rl);
+      if ((rl == 0 && rh == kb) || (finite_kv_rows(vrows, rl, Ev) && finite_kv_rows(vrows + rh, kb - rh, Ev))) {
         K::pv_rows(r.s, DB, r.R, kb, vrows, Ev, r.acc);
       } else {
         for (index_t x = 0; x < r.R; ++x) {
