@@ -205,6 +205,35 @@ def test_int8_cache_keeps_a_nan_or_inf_row_as_nan(bad, rng):
     assert sc["k_scale"][0, 0, 0] == np.float32(1 / 127)  # the finite row as before
 
 
+@pytest.mark.parametrize("cdt", ["float32", "float16", "bfloat16", "int8"])
+@pytest.mark.parametrize("lq, group", [(2, 1), (3, 4), (9, 1), (20, 2)])  # decode rows, then prefill tiles
+def test_a_nan_new_value_reaches_only_the_queries_that_see_it(isa, cdt, lq, group, rng):
+    """A NaN in the last new token's value row: bottom-right causal, only the last query sees it; the
+    others match a call without it (api.md, "NaN and inf"). An int8 cache keeps it as a NaN scale (the decode path took
+    it into every row through the scales, 0 * NaN)."""
+    dt = pytest.importorskip("ml_dtypes").bfloat16 if cdt == "bfloat16" else np.dtype(cdt)
+    hkv, E, held = 2, 16, 5
+    q = rn(rng, (1, hkv * group, lq, E))
+    kn, vn = rn(rng, (1, hkv, lq, E)), rn(rng, (1, hkv, lq, E))
+    kh = rn(rng, (1, hkv, held, E)).astype(dt) if cdt != "int8" else 1
+    outs = []
+    for bad in (False, True):
+        kc, vc = np.zeros((1, hkv, 64, E), dt), np.zeros((1, hkv, 64, E), dt)
+        kc[:, :, :held] = kh
+        vc[:, :, :held] = 1
+        sc = {}
+        if cdt == "int8":
+            sc = dict(k_scale=np.full((1, hkv, 64), 0.01, np.float32), v_scale=np.full((1, hkv, 64), 0.01, np.float32))
+        v = vn.copy()
+        if bad:
+            v[0, :, lq - 1, 3] = np.nan
+        outs.append(pyattn.kvcache_attention(q, kc, vc, np.array([held]), k_new=kn, v_new=v, **sc))
+    clean, got = outs
+    assert np.isnan(got[0, :, lq - 1]).any(axis=-1).all()  # the last query of every head sees it
+    # (to rounding: a block with the NaN row sums each visible query's products one at a time)
+    np.testing.assert_allclose(got[0, :, : lq - 1], clean[0, :, : lq - 1], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("shape", [(0, 1, 8, 4), (1, 1, 0, 4)])
 def test_empty_contiguous_caches_are_taken(shape, rng):
     B = shape[0]

@@ -526,19 +526,22 @@ struct Attention {
     for (int i = 0; i < np; ++i) t[i].acc_set = true;
   }
 
-  // Whether the n elements of each of the rows are all finite, in the storage type: NaN and inf
-  // have every exponent bit set in float16 and bfloat16, int8 has neither.
-  static bool finite_kv_rows(const KV* const* rows, index_t nrows, index_t n) {
+  // Whether the n elements of rows [r0, r1) are all finite, in the storage type: NaN and inf have
+  // every exponent bit set in float16 and bfloat16; an int8 row is as finite as its scale
+  // (scales[r]: a NaN or inf written into the cache is kept as a NaN scale).
+  static bool finite_kv_rows(const KV* const* rows, const T* scales, index_t r0, index_t r1, index_t n) {
     if constexpr (kInt8) {
-      return true;
+      return finite_rows(scales + r0, 1, 1, r1 - r0);
     } else if constexpr (kHalf) {
+      (void)scales;
       const std::uint16_t e = std::is_same<KV, f16_t>::value ? 0x7c00u : 0x7f80u;
       std::uint16_t bad = 0;
-      for (index_t r = 0; r < nrows; ++r)
+      for (index_t r = r0; r < r1; ++r)
         for (index_t c = 0; c < n; ++c) bad |= std::uint16_t((rows[r][c].bits & e) == e);
       return bad == 0;
     } else {
-      for (index_t r = 0; r < nrows; ++r)
+      (void)scales;
+      for (index_t r = r0; r < r1; ++r)
         if (!finite_rows(rows[r], 0, 1, n)) return false;
       return true;
     }
@@ -868,7 +871,7 @@ struct Attention {
     const Problem pg = problem(h0);  // the group's K/V
     // Whether the call's K/V (all groups, all keys) fit in half a typical L3.
     const bool cached = double(a.bh / a.group) * double(a.Lk) * double(E + Ev) * double(sizeof(KV)) <= 16.0 * (1 << 20);
-    T ks[DB];  // int8: this block's key scales
+    T ks[DB];  // int8: this block's key scales, then its value scales
     // Where this block's keys (cur) and those PFD blocks ahead (nxt) lie: row j is row
     // slot[j] of page page[j] (page 0, slot = key for a contiguous cache), stepped through the
     // pages once per block rather than divided out per row.
@@ -978,7 +981,7 @@ struct Attention {
         rh = min_of<index_t>(rh, max_of<index_t>(0, hi(rp[x], x % Lq) - k0));
       }
       rh = max_of<index_t>(rh, rl);
-      if ((rl == 0 && rh == kb) || (finite_kv_rows(vrows, rl, Ev) && finite_kv_rows(vrows + rh, kb - rh, Ev))) {
+      if ((rl == 0 && rh == kb) || (finite_kv_rows(vrows, ks, 0, rl, Ev) && finite_kv_rows(vrows, ks, rh, kb, Ev))) {
         K::pv_rows(r.s, DB, r.R, kb, vrows, Ev, r.acc);
       } else {
         for (index_t x = 0; x < r.R; ++x) {
