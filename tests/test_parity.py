@@ -897,7 +897,9 @@ def test_alibi_raw_scores_that_fall_as_the_bias_rises(isa, dtype, slope):
     row came out as zeros in every kernel set. A rise past kRiseMax now takes the block the
     two-pass way, and a reference that ends far above every score moves down (lower_reference)."""
     got, want = _alibi_far_block(dtype, slope)
-    np.testing.assert_allclose(got, want, rtol=2e-6 if dtype == np.float32 else 1e-12)
+    # the float32 scores reach ~110 (log2 units), whose spacing is 7.6e-6: 3e-6 of the output is
+    # rounding (the 8x32 AVX-512 tile's panel placement); the bug gave rows of zeros
+    np.testing.assert_allclose(got, want, rtol=1e-5 if dtype == np.float32 else 1e-12)
 
 
 @pytest.mark.parametrize("dtype, rise", [(np.float32, 99.0), (np.float64, 990.0)], ids=["f32", "f64"])
