@@ -223,6 +223,16 @@ inline void transpose_ref(const T* src, index_t srs, index_t rows, index_t cols,
     for (index_t c = 0; c < cols; ++c) dst[c * drs + r] = scaled(src[r * srs + c], sc, c);
 }
 
+// A kernel set's transpose by transpose_ref (double everywhere, float in the portable set).
+template <class T>
+struct TransposeRef {
+  template <class Scale = NoScale>
+  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs,
+                        const Scale& sc = Scale{}) {
+    transpose_ref<T>(src, srs, rows, cols, dst, drs, sc);
+  }
+};
+
 //   s[j*stride] = -inf where a bool mask row is false; s[j*stride] += mask * unit for an
 //   additive one (attention keeps its scores in base 2, unit = log2(e); softmax in natural units,
 //   unit = 1). The row starts `off` elements into `mask` (uint8 for bool, T for additive) with

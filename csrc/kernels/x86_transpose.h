@@ -60,3 +60,5 @@ static inline void transpose_ps(const float* src, index_t srs, index_t rows, ind
   for (; r0 < rows; ++r0)
     for (index_t c = 0; c < cols; ++c) dst[c * drs + r0] = scaled(src[r0 * srs + c], sc, c);
 }
+
+#include "kernels/transpose_traits.h"

@@ -154,24 +154,13 @@ struct OpsF64 {
 // NP = 4 panels of 16 queries per attention task share each K/V row read; NPW = 8 for heads of
 // 128 and more (A/B, 2 threads: 8 panels took 0.91-0.93 of the time at L4096 D128, and at D64
 // 1.00 plain, 1.02 causal, where longer query groups cross more diagonal blocks).
-struct sgemm_ukernel_6x16_avx2 : RegTileKernels<OpsF32, 6, 2> {
+struct sgemm_ukernel_6x16_avx2 : RegTileKernels<OpsF32, 6, 2>, TransposePs {
   static constexpr int NP = 4, NPW = 8;
   static constexpr index_t MC = 120, KC = 256, NC = 512, BK = 256;
-  //   dst[c*drs + r] = src[r*srs + c] * scale(c), in 8 x 8 register blocks
-  template <class Scale = NoScale>
-  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs,
-                        const Scale& sc = Scale{}) {
-    transpose_ps(src, srs, rows, cols, dst, drs, sc);
-  }
 };
-struct dgemm_ukernel_6x8_avx2 : RegTileKernels<OpsF64, 6, 2> {
+struct dgemm_ukernel_6x8_avx2 : RegTileKernels<OpsF64, 6, 2>, TransposeRef<double> {
   static constexpr int NP = 4, NPW = 4;
   static constexpr index_t MC = 120, KC = 256, NC = 256, BK = 128;
-  template <class Scale = NoScale>
-  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs,
-                        const Scale& sc = Scale{}) {
-    transpose_ref<T>(src, srs, rows, cols, dst, drs, sc);
-  }
 };
 
 #include "frame/instantiate.h"

@@ -167,35 +167,19 @@ struct OpsF64 {
 // 16 columns. A/B against the 8x48 tile alone (Xeon, 2 threads, time 8x32 / 8x48): 32-token
 // prefills 0.92-0.94, B8 H12 L128 causal 0.90, plain 0.98, L512 causal 0.97, L1024 D128 causal
 // 1.00, L2048 1.04.
-struct sgemm_ukernel_8x32_avx512 : RegTileKernels<OpsF32, 8, 2> {
+struct sgemm_ukernel_8x32_avx512 : RegTileKernels<OpsF32, 8, 2>, TransposePs {
   static constexpr int NP = 2, NPW = 8;
   static constexpr index_t MC = 240, KC = 256, NC = 480, BK = 128;
-  template <class Scale = NoScale>
-  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs,
-                        const Scale& sc = Scale{}) {
-    transpose_ps(src, srs, rows, cols, dst, drs, sc);
-  }
 };
-struct sgemm_ukernel_8x48_avx512 : RegTileKernels<OpsF32, 8, 3> {
+struct sgemm_ukernel_8x48_avx512 : RegTileKernels<OpsF32, 8, 3>, TransposePs {
   static constexpr int NP = 2, NPW = 8;
   static constexpr index_t MC = 240, KC = 256, NC = 480, BK = 128;
   using Short = sgemm_ukernel_8x32_avx512;
   static constexpr index_t kShortLq = 256;
-  //   dst[c*drs + r] = src[r*srs + c] * scale(c), in 8 x 8 register blocks
-  template <class Scale = NoScale>
-  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs,
-                        const Scale& sc = Scale{}) {
-    transpose_ps(src, srs, rows, cols, dst, drs, sc);
-  }
 };
-struct dgemm_ukernel_8x24_avx512 : RegTileKernels<OpsF64, 8, 3> {
+struct dgemm_ukernel_8x24_avx512 : RegTileKernels<OpsF64, 8, 3>, TransposeRef<double> {
   static constexpr int NP = 2, NPW = 2;
   static constexpr index_t MC = 120, KC = 256, NC = 240, BK = 128;
-  template <class Scale = NoScale>
-  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs,
-                        const Scale& sc = Scale{}) {
-    transpose_ref<T>(src, srs, rows, cols, dst, drs, sc);
-  }
 };
 
 #include "frame/instantiate.h"

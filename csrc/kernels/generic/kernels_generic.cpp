@@ -112,15 +112,10 @@ struct GenericKernels {
 };
 
 // Block sizes: register tile MR x NR, cache blocks MC x KC x NC, attention key block BK.
-struct sgemm_ukernel_4x16_generic : GenericKernels<float> {
+struct sgemm_ukernel_4x16_generic : GenericKernels<float>, TransposeRef<float> {
   using T = float;
   static constexpr int MR = 4, NR = 16, NP = 2, NPW = 2;
   static constexpr index_t MC = 128, KC = 256, NC = 512, BK = 128;
-  template <class Scale = NoScale>
-  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs,
-                        const Scale& sc = Scale{}) {
-    transpose_ref<T>(src, srs, rows, cols, dst, drs, sc);
-  }
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool accumulate) {
     gemm_ukernel_ref<T, MR, NR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, accumulate);
@@ -133,15 +128,10 @@ struct sgemm_ukernel_4x16_generic : GenericKernels<float> {
     exp2_tile(mr, nr, c, ldc, sub, xmax, csum);
   }
 };
-struct dgemm_ukernel_4x8_generic : GenericKernels<double> {
+struct dgemm_ukernel_4x8_generic : GenericKernels<double>, TransposeRef<double> {
   using T = double;
   static constexpr int MR = 4, NR = 8, NP = 2, NPW = 2;
   static constexpr index_t MC = 128, KC = 256, NC = 256, BK = 128;
-  template <class Scale = NoScale>
-  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs,
-                        const Scale& sc = Scale{}) {
-    transpose_ref<T>(src, srs, rows, cols, dst, drs, sc);
-  }
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool accumulate) {
     gemm_ukernel_ref<T, MR, NR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, accumulate);

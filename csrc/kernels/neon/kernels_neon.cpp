@@ -29,23 +29,13 @@ namespace neon {
 //   dgemm 8x6 neon      8 x 6    120   256   240   4  128  the same bytes in doubles
 //  NP: query panels of NR per attention task (48 queries), sharing each K/V row read from L1;
 //  BK: the BK x NR score tile (6 KiB) stays in L1 between the two attention GEMMs.
-struct sgemm_ukernel_8x12_neon : RegTileKernels<OpsF32, 8, 3> {
+struct sgemm_ukernel_8x12_neon : RegTileKernels<OpsF32, 8, 3>, TransposePs {
   static constexpr int NP = 4, NPW = 4;
   static constexpr index_t MC = 120, KC = 256, NC = 480, BK = 128;
-  template <class Scale = NoScale>
-  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs,
-                        const Scale& sc = Scale{}) {
-    transpose_ps(src, srs, rows, cols, dst, drs, sc);
-  }
 };
-struct dgemm_ukernel_8x6_neon : RegTileKernels<OpsF64, 8, 3> {
+struct dgemm_ukernel_8x6_neon : RegTileKernels<OpsF64, 8, 3>, TransposeRef<double> {
   static constexpr int NP = 4, NPW = 4;
   static constexpr index_t MC = 120, KC = 256, NC = 240, BK = 128;
-  template <class Scale = NoScale>
-  static void transpose(const T* src, index_t srs, index_t rows, index_t cols, T* dst, index_t drs,
-                        const Scale& sc = Scale{}) {
-    transpose_ref<T>(src, srs, rows, cols, dst, drs, sc);
-  }
 };
 
 #include "frame/instantiate.h"
