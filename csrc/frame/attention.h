@@ -125,23 +125,23 @@ struct Attention {
   // One query panel's state: NR queries, each a column of the transposed tiles. Every buffer
   // has one role; the vectors of per-query statistics are NR long.
   struct Tile {
-    T* qt;         // E x NR: the panel's queries, transposed, scaled by s2, 0 past nr in its vector
-    T* st;         // BK x NR: S^T of the current key block, then P^T in place
-    T* acc;        // Ev x NR: the unnormalised output, transposed
-    T* m;          // reference per query (log2 units): -inf until a key was visible
-    T* l;          // sum of P per query, relative to m
-    T* sub;        // exponent offset: m, or 0 where m = -inf (so exp2(-inf - sub) = 0, never NaN)
-    T* alpha;      // rescale of l and acc by the last two-pass update
-    T* cmax;       // column max of the block's scores (fused path: of S^T - sub)
-    T* csum;       // column sums of the block's P^T
-    T* inv;        // 1 / l (0 where no key was visible, NaN where l is), once the panel is finished
-    T* bhw;        // ALiBi: the largest bias of the blocks taken in so far (see anticipate_bias)
-    T* top;        // the largest score taken in so far (log2 units; see lower_reference)
-    bool ready;    // every m is finite: unmasked blocks may take the fused path
-    bool fresh;    // no key block taken in yet (l is 0, acc means 0)
-    bool acc_set;  // acc written: the first block's accumulate writes it (zeroing it cost 5%)
-    int nr;        // the panel's real queries: kernels compute only the vectors that hold them,
-                   // and the rest of st holds finite filler
+    T* qt;       // E x NR: the panel's queries, transposed, scaled by s2, 0 past nr in its vector
+    T* st;       // BK x NR: S^T of the current key block, then P^T in place
+    T* acc;      // Ev x NR: the unnormalised output, transposed
+    T* m;        // reference per query (log2 units): -inf until a key was visible
+    T* l;        // sum of P per query, relative to m
+    T* sub;      // exponent offset: m, or 0 where m = -inf (so exp2(-inf - sub) = 0, never NaN)
+    T* alpha;    // rescale of l and acc by the last two-pass update
+    T* cmax;     // column max of the block's scores (fused path: of S^T - sub)
+    T* csum;     // column sums of the block's P^T
+    T* inv;      // 1 / l (0 where no key was visible, NaN where l is), once the panel is finished
+    T* bhw;      // ALiBi: the largest bias of the blocks taken in so far (see anticipate_bias)
+    T* top;      // the largest score taken in so far (log2 units; see lower_reference)
+    bool ready;  // every m is finite: unmasked blocks may take the fused path
+    bool fresh;  // no key block taken in yet: l is 0 and acc, unwritten, means 0 (the first
+                 // block's accumulate writes it: zeroing it per panel cost 5% of a short call)
+    int nr;      // the panel's real queries: kernels compute only the vectors that hold them,
+                 // and the rest of st holds finite filler
   };
   static constexpr int kStatVectors = 9;  // m, l, sub, alpha, cmax, csum, inv, bhw, top
 
@@ -160,7 +160,6 @@ struct Attention {
     for (int i = 0; i < kStatVectors; ++i) *vecs[i] = stats + i * NR;
     t.ready = false;
     t.fresh = true;
-    t.acc_set = false;
     t.nr = NR;
     return t;
   }
@@ -177,12 +176,11 @@ struct Attention {
     }
     t.ready = false;
     t.fresh = true;
-    t.acc_set = false;
   }
 
   // acc^T[d, c] *= f[c] for every value column d (nothing while acc is still 0)
   void scale_acc(Tile& t, const T* f) const {
-    if (!t.acc_set) return;
+    if (t.fresh) return;
     for (index_t d = 0; d < a.Ev; ++d) {
       T* ad = t.acc + d * NR;
 #pragma omp simd
@@ -199,12 +197,18 @@ struct Attention {
     K::transpose(q, a.q_rs, qc, a.E, qt, NR, UniformScale<T>{s2});
   }
 
+  // The rows [jl, jh) of a block of kb keys from k0 that query qi of problem p may see by position
+  // (causal, window, kv_lens); jl = jh when none.
+  std::pair<index_t, index_t> seen(const Problem& p, index_t qi, index_t k0, index_t kb) const {
+    const index_t jl = min_of<index_t>(kb, max_of<index_t>(0, lo(p, qi) - k0));
+    return {jl, max_of<index_t>(jl, min_of<index_t>(kb, hi(p, qi) - k0))};
+  }
+
   // s[j*stride] = -inf where key k0+j (j < kb) is hidden from query qi of problem p (outside
   // [lo, hi): causal, window, kv_lens; or a false bool mask); an additive mask is added. Shared
   // by the prefill tiles and the decode rows.
   PYATTN_PHASE void mask_row(const Problem& p, index_t qi, index_t k0, index_t kb, T* s, index_t stride) const {
-    const index_t jl = min_of<index_t>(kb, max_of<index_t>(0, lo(p, qi) - k0)),
-                  jh = max_of<index_t>(jl, min_of<index_t>(kb, hi(p, qi) - k0));
+    const auto [jl, jh] = seen(p, qi, k0, kb);
     for (index_t j = 0; j < jl; ++j) s[j * stride] = -kInf;
     for (index_t j = jh; j < kb; ++j) s[j * stride] = -kInf;
     apply_mask_row(a.mask_kind, a.mask, a.mask_kind == MaskKind::none ? 0 : a.moff[p.bh] + qi * a.m_rs + k0 * a.m_cs,
@@ -509,8 +513,7 @@ struct Attention {
     // some of the panels' queries cannot see (before the last one's left edge, from the first
     // one's right edge on) and that is not finite sends the block to pv_exact.
     const index_t qz = min_of<index_t>(p.Lq, q0 + index_t(np) * NR) - 1;
-    const index_t rl = min_of<index_t>(kb, max_of<index_t>(0, lo(p, qz) - k0)),
-                  rh = max_of<index_t>(rl, min_of<index_t>(kb, hi(p, q0) - k0));
+    const index_t rl = seen(p, qz, k0, kb).first, rh = max_of<index_t>(rl, seen(p, q0, k0, kb).second);
     const bool exact = (rl > 0 || rh < kb) && !(finite_rows(blk.v, blk.v_rs, rl, a.Ev) &&
                                                 finite_rows(blk.v + rh * blk.v_rs, blk.v_rs, kb - rh, a.Ev));
     for (index_t d = 0, r = 0; d < a.Ev; d += MR, r += per) {
@@ -520,10 +523,10 @@ struct Attention {
         if (exact)
           pv_exact(p, q0 + i * NR, k0, kb, blk.v + d, blk.v_rs, mr, t[i], d);
         else
-          K::ukernel(mr, kb, blk.v + d, 1, blk.v_rs, t[i].st, NR, t[i].acc + d * NR, NR, t[i].nr, t[i].acc_set);
+          K::ukernel(mr, kb, blk.v + d, 1, blk.v_rs, t[i].st, NR, t[i].acc + d * NR, NR, t[i].nr, !t[i].fresh);
       }
     }
-    for (int i = 0; i < np; ++i) t[i].acc_set = true;
+    for (int i = 0; i < np; ++i) t[i].fresh = false;
   }
 
   // Whether the n elements of rows [r0, r1) are all finite, in the storage type: NaN and inf have
@@ -576,11 +579,11 @@ struct Attention {
   void pv_exact(const Problem& p, index_t qp, index_t k0, index_t kb, const T* v, index_t v_rs, int mr, Tile& t,
                 index_t d) const {
     T* acc = t.acc + d * NR;
-    if (!t.acc_set)
+    if (t.fresh)
       for (int x = 0; x < mr; ++x)
         for (int c = 0; c < t.nr; ++c) acc[x * NR + c] = T(0);
     for (int c = 0; c < t.nr; ++c) {
-      const index_t j0 = max_of<index_t>(0, lo(p, qp + c) - k0), j1 = min_of<index_t>(kb, hi(p, qp + c) - k0);
+      const auto [j0, j1] = seen(p, qp + c, k0, kb);
       for (index_t j = j0; j < j1; ++j) {
         const T w = t.st[j * NR + c];
         for (int x = 0; x < mr; ++x) acc[x * NR + c] += w * v[j * v_rs + x];
@@ -699,7 +702,6 @@ struct Attention {
           finish_fused<CAP, ALIBI>(p, qa + i * NR, k0, kb, kblk, ta[i]);
         else
           online_softmax(kb, ta[i]);
-        ta[i].fresh = false;
       }
       accumulate(p, qa, k0, kb, value_block(p, k0, kb, cv), ta, na, kend);
     }
@@ -746,7 +748,7 @@ struct Attention {
     } else {
       for (int c = 0; c < NR; ++c) t.inv[c] = inv_of(t.l[c]);
     }
-    if (!t.acc_set)  // no key block was taken in
+    if (t.fresh)  // no key block was taken in
       for (index_t x = 0; x < a.Ev * NR; ++x) t.acc[x] = T(0);
     K::transpose(t.acc, NR, a.Ev, qc, o, a.o_rs, ColumnScale<T>{t.inv});  // out = acc / l
     if (lse)
@@ -977,16 +979,16 @@ struct Attention {
       // takes only the keys it sees.
       index_t rl = 0, rh = kb;  // rows [0, rl) and [rh, kb) are hidden from some row x
       for (index_t x = 0; x < r.R; ++x) {
-        rl = max_of<index_t>(rl, min_of<index_t>(kb, lo(rp[x], x % Lq) - k0));
-        rh = min_of<index_t>(rh, max_of<index_t>(0, hi(rp[x], x % Lq) - k0));
+        const auto [jl, jh] = seen(rp[x], x % Lq, k0, kb);
+        rl = max_of<index_t>(rl, jl);
+        rh = min_of<index_t>(rh, jh);
       }
       rh = max_of<index_t>(rh, rl);
       if ((rl == 0 && rh == kb) || (finite_kv_rows(vrows, ks, 0, rl, Ev) && finite_kv_rows(vrows, ks, rh, kb, Ev))) {
         K::pv_rows(r.s, DB, r.R, kb, vrows, Ev, r.acc);
       } else {
         for (index_t x = 0; x < r.R; ++x) {
-          const index_t qi = x % Lq, jl = min_of<index_t>(kb, max_of<index_t>(0, lo(rp[x], qi) - k0)),
-                        jh = max_of<index_t>(jl, min_of<index_t>(kb, hi(rp[x], qi) - k0));
+          const auto [jl, jh] = seen(rp[x], x % Lq, k0, kb);
           if (jh > jl) K::pv_rows(r.s + x * DB + jl, DB, 1, jh - jl, vrows + jl, Ev, r.acc + x * Ev);
         }
       }
