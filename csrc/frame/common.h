@@ -192,6 +192,12 @@ inline void prefetch_rows_l2(const T* p, index_t rs, index_t rows, index_t cols)
   for (index_t r = 0; r < rows; ++r)
     for (index_t c = 0; c < cols; c += line) PYATTN_PREFETCH_L2(p + r * rs + c);
 }
+template <class T>
+inline void prefetch_rows_for_write(T* p, index_t rs, index_t rows, index_t cols) {
+  constexpr index_t line = 64 / sizeof(T);
+  for (index_t r = 0; r < rows; ++r)
+    for (index_t c = 0; c < cols; c += line) PYATTN_PREFETCH_W(p + r * rs + c);
+}
 
 // Scales a transpose may apply on the way, one per source column c (at(c)): none, one for all
 // (the query panel's scale * log2(e)) or one each (a panel's 1 / l, on the way out), so that the

@@ -34,6 +34,13 @@
 #else
 #define PYATTN_PREFETCH_L2(p) __builtin_prefetch((p), 0, 2)
 #endif
+// Prefetch one cache line about to be written, asking for it exclusive (x86: PREFETCHW, which
+// the AVX2 and AVX-512 units are compiled for: Haswell, which lacks it, runs it as a no-op).
+#if PYATTN_MSVC
+#define PYATTN_PREFETCH_W(p) PYATTN_PREFETCH_L2(p)
+#else
+#define PYATTN_PREFETCH_W(p) __builtin_prefetch((p), 1, 2)
+#endif
 
 namespace pyattn {
 namespace portable {
