@@ -353,11 +353,14 @@ bool key_counts(PyObject* o, const View& q, index_t Lk, std::vector<index_t>& bu
   return true;
 }
 
+bool overlap(const View& a, const View& b);
+bool writable(PyObject* o);
+
 // sdpa_small(query, key, value, is_causal, causal_align, scale, enable_gqa, return_lse, window,
-//            softcap, alibi_slopes, sinks, kv_lens)
+//            softcap, alibi_slopes, sinks, kv_lens, out)
 PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 13) {
-    PyErr_SetString(PyExc_TypeError, "sdpa_small takes 13 positional arguments");
+  if (nargs != 14) {
+    PyErr_SetString(PyExc_TypeError, "sdpa_small takes 14 positional arguments");
     return nullptr;
   }
   const int causal = flag(args[3]), gqa = flag(args[6]), want_lse = flag(args[7]);
@@ -384,6 +387,18 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   }
   const index_t Lq = q.shape[nd - 2], E = q.shape[nd - 1], Lk = k.shape[nd - 2], Ev = v.shape[nd - 1];
   if (k.shape[nd - 1] != E || v.shape[nd - 2] != Lk) Py_RETURN_NONE;
+  // out: written in place when it is a writable view of the result's shape and type that the
+  // kernel can address (view_of) and that shares no memory with q, k or v; the Python path
+  // takes any other (it writes through a temporary, or says what is wrong)
+  View o{};
+  const bool given = args[13] != Py_None;
+  if (given) {
+    if (!view_of(args[13], min_nd, o) || o.typenum != q.typenum || o.nd != nd || !writable(args[13])) Py_RETURN_NONE;
+    for (int i = 0; i < nd - 2; ++i)
+      if (o.shape[i] != q.shape[i]) Py_RETURN_NONE;
+    if (o.shape[nd - 2] != Lq || o.shape[nd - 1] != Ev || overlap(o, q) || overlap(o, k) || overlap(o, v))
+      Py_RETURN_NONE;
+  }
   double scale;
   if (args[5] == Py_None) {
     scale = 1.0 / std::sqrt(double(E));
@@ -429,7 +444,7 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     for (int i = 0; i < nlead; ++i) dims[i] = q.shape[i];
     dims[nlead] = Lq;
     dims[nlead + 1] = Ev;
-    py::object out = new_array(q.typenum, nd, dims);
+    py::object out = given ? py::reinterpret_borrow<py::object>(args[13]) : new_array(q.typenum, nd, dims);
     py::object lse = py::none();
     if (want_lse) {
       lse = new_array(q.typenum, nd - 1, dims);
@@ -440,8 +455,12 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     lead_offsets(k, nlead, group, koff);
     lead_offsets(v, nlead, group, voff);
     const index_t bh = index_t(qoff.size());
-    ooff.resize(std::size_t(bh));
-    for (index_t i = 0; i < bh; ++i) ooff[std::size_t(i)] = i * Lq * Ev;
+    if (given) {
+      lead_offsets(o, nlead, 1, ooff);
+    } else {
+      ooff.resize(std::size_t(bh));
+      for (index_t i = 0; i < bh; ++i) ooff[std::size_t(i)] = i * Lq * Ev;
+    }
     if (want_lse) {
       lseoff.resize(std::size_t(bh));
       for (index_t i = 0; i < bh; ++i) lseoff[std::size_t(i)] = i * Lq;
@@ -452,7 +471,7 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     pyattn::AttnArgs a{bh, Lq, Lk, E, Ev, group,
                        q.data, qoff.data(), elems(q, nd - 2), k.data, koff.data(), elems(k, nd - 2),
                        v.data, voff.data(), elems(v, nd - 2),
-                       out_data, ooff.data(), Ev,
+                       out_data, ooff.data(), given ? elems(o, nd - 2) : Ev,
                        pyattn::MaskKind::none, nullptr, nullptr, 0, 0,
                        lse_data, want_lse ? lseoff.data() : nullptr, 1,
                        nullptr, nullptr, Lk,
@@ -778,11 +797,11 @@ PyMethodDef kvcache_def = {
 PyMethodDef sdpa_def = {
     "sdpa_small", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&sdpa)), METH_FASTCALL,
     "sdpa_small(query, key, value, is_causal, causal_align, scale, enable_gqa, return_lse, window, softcap, "
-    "alibi_slopes, sinks, kv_lens) -> object\n\n"
+    "alibi_slopes, sinks, kv_lens, out) -> object\n\n"
     "scaled_dot_product_attention's common case in C (plain float arrays of one dtype, or float16 / bfloat16 key "
     "and value with a float32 query, one leading shape, no mask, "
-    "the score variants in their plain forms, a new output): the output (and lse), or None when the call is not "
-    "that case."};
+    "the score variants in their plain forms, a new output or one written in place): the output (and lse), or "
+    "None when the call is not that case."};
 
 }  // namespace small
 

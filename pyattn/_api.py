@@ -115,13 +115,13 @@ def scaled_dot_product_attention(
     ``(..., Hq, Lq, Lk)``, with ``return_lse`` also the natural-log log-sum-exp ``(..., Hq, Lq)``
     of each row (``-inf`` where no key is visible, or the sink with sinks; such rows output zeros).
     """
-    if attn_mask is None and out is None and return_weights is False:
+    if attn_mask is None and return_weights is False:
         # The everyday call (plain float arrays, one leading shape, no mask, the variants in their
-        # plain forms) in C: None when the arguments are anything else, which the code below
-        # defines and checks.
+        # plain forms, an out it can write in place) in C: None when the arguments are anything
+        # else, which the code below defines and checks.
         r = _sdpa_small(
             query, key, value, is_causal, causal_align, scale, enable_gqa, return_lse,
-            window, softcap, alibi_slopes, sinks, kv_lens,
+            window, softcap, alibi_slopes, sinks, kv_lens, out,
         )  # fmt: skip
         if r is not None:
             return r

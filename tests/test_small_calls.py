@@ -24,7 +24,7 @@ def _general(monkeypatch, *args, **kwargs):
         return pyattn.scaled_dot_product_attention(*args, **kwargs)
 
 
-_NO_VARIANT = dict(window=None, softcap=None, alibi_slopes=None, sinks=None, kv_lens=None)
+_NO_VARIANT = dict(window=None, softcap=None, alibi_slopes=None, sinks=None, kv_lens=None, out=None)
 
 
 @contextlib.contextmanager
@@ -164,10 +164,27 @@ def _decline_cases():
         "huge unsigned kv_lens": (q, k, v, {"kv_lens": np.array([2**63 + 1, 5], np.uint64)}),
         "kv_lens of a 3-D call": (q[0], k[0], v[0], {"kv_lens": np.array([8, 5, 3, 1])}),
         "slopes of a 2-D call": (q[0, 0], k[0, 0], v[0, 0], {"alibi_slopes": np.ones(1)}),
+        # an out the kernel cannot write as it is (the general path copies in, or refuses it)
+        "out of another dtype": (q, k, v, {"out": np.empty(q.shape, np.float64)}),
+        "out of another shape": (q, k, v, {"out": np.empty((2, 4, 3, 8), np.float32)}),
+        "out broadcasting": (q, k, v, {"out": np.empty((1, 4, 3, 16), np.float32)}),
+        "out with fewer axes": (q, k, v, {"out": np.empty((8, 3, 16), np.float32)}),
+        "out read-only": (q, k, v, {"out": np.broadcast_to(np.zeros(16, np.float32), q.shape)}),
+        "out strided features": (q, k, v, {"out": np.empty(q.shape[:-1] + (32,), np.float32)[..., ::2]}),
+        "out a list": (q, k, v, {"out": np.zeros(q.shape).tolist()}),
+        "out a subclass": (q, k, v, {"out": np.empty(q.shape, np.float32).view(_Sub)}),
+        "out big-endian": (q, k, v, {"out": np.empty(q.shape, ">f4")}),
     }
     misaligned = np.frombuffer(b"\0" + q.tobytes(), np.uint8)[1:].view(np.float32).reshape(q.shape)
     cases["misaligned"] = (misaligned, k, v, {})
+    cases["out misaligned"] = (q, k, v, {"out": _misaligned(q.shape)})
     return cases
+
+
+def _misaligned(shape):
+    """A writable float32 array of `shape` whose data is not 4-byte aligned."""
+    n = int(np.prod(shape))
+    return np.frombuffer(bytearray(4 * n + 1), np.uint8)[1:].view(np.float32).reshape(shape)
 
 
 class _Sub(np.ndarray):
@@ -189,6 +206,10 @@ def test_declines_what_it_is_not_for(monkeypatch, name):
             pyattn.scaled_dot_product_attention(q, k, v, **kw)
         assert str(got.value) == str(e)
         return
+    # copied: with out, both calls return (and write) the same array
+    want = tuple(np.array(w) for w in want) if isinstance(want, tuple) else np.array(want)
+    if "out" in kw:
+        kw["out"][...] = np.nan
     got = pyattn.scaled_dot_product_attention(q, k, v, **kw)
     if isinstance(want, tuple):
         for g, w in zip(got, want):
@@ -202,7 +223,6 @@ def test_declines_what_it_is_not_for(monkeypatch, name):
     [
         {"attn_mask": np.ones((3, 8), bool)},
         {"return_weights": True},
-        {"out": np.empty((2, 4, 3, 16), np.float32)},
     ],
     ids=lambda kw: next(iter(kw)),
 )
@@ -230,8 +250,65 @@ def test_the_public_function_takes_it(monkeypatch):
 
 
 def test_wrong_argument_count_is_a_type_error():
-    with pytest.raises(TypeError, match="13 positional"):
+    with pytest.raises(TypeError, match="14 positional"):
         _core.sdpa_small(1, 2, 3)
+
+
+def _split_heads_out(lead, Lq, Ev, dtype):
+    """An output laid out (..., Lq, H, Ev) and viewed as (..., H, Lq, Ev), as the
+    MultiHeadAttention layer hands it over (its context rows are tokens)."""
+    base = np.full(lead[:-1] + (Lq, lead[-1], Ev), np.nan, dtype)
+    return np.swapaxes(base, -2, -3)
+
+
+@pytest.mark.parametrize("lead, Lq, Lk, E, Ev", [s for s in SHAPES if s[0]])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("layout", ["contiguous", "split heads", "reversed rows"])
+def test_out_is_written_in_place(monkeypatch, isa, lead, Lq, Lk, E, Ev, dtype, layout):
+    """An out the kernel can write is taken by the fast path and written in place, bitwise what
+    the general path writes into the same layout (with lse, causal bottom-right)."""
+    rng = np.random.default_rng(Lq + 31 * Lk)
+    q, k, v = _qkv(rng, lead, Lq, Lk, E, Ev, dtype)
+
+    def make():
+        if layout == "contiguous":
+            return np.full(lead + (Lq, Ev), np.nan, dtype)
+        if layout == "split heads":
+            return _split_heads_out(lead, Lq, Ev, dtype)
+        return np.full(lead + (Lq, Ev), np.nan, dtype)[..., ::-1, :]
+
+    out = make()
+    got = _small(q, k, v, True, "bottom_right", None, False, True, out=out)
+    assert got is not None, "the fast path declined an out it can write"
+    assert got[0] is out
+    want_out = make()
+    want = _general(monkeypatch, q, k, v, is_causal=True, causal_align="bottom_right", return_lse=True, out=want_out)
+    assert want[0] is want_out
+    np.testing.assert_array_equal(out, want_out)
+    np.testing.assert_array_equal(got[1], want[1])
+    # the public function takes it too
+    calls = []
+    real = _api._sdpa_small
+    monkeypatch.setattr(_api, "_sdpa_small", lambda *a: calls.append(a) or real(*a))
+    again = make()
+    assert pyattn.scaled_dot_product_attention(q, k, v, is_causal=True, causal_align="bottom_right", out=again) is again
+    assert len(calls) == 1
+    np.testing.assert_array_equal(again, want_out)
+
+
+@pytest.mark.parametrize("which", ["query", "key", "value"])
+def test_out_sharing_memory_with_an_input_is_left_to_the_general_path(monkeypatch, which):
+    """An out that overlaps an input: the fast path declines it, and the public function gives
+    the result of the inputs as they were (the general path computes into a temporary)."""
+    rng = np.random.default_rng(9)
+    q, k, v = _qkv(rng, (2, 3), 5, 5, 8, 8)
+    inputs = {"query": q, "key": k, "value": v}
+    out = inputs[which]
+    want = reference.scaled_dot_product_attention(q.copy(), k.copy(), v.copy(), is_causal=True)
+    assert _small(q, k, v, True, out=out) is None
+    got = pyattn.scaled_dot_product_attention(q, k, v, is_causal=True, out=out)
+    assert got is out
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 def _variants(rng, B, Hq, Lk, dtype):
