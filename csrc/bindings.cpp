@@ -106,11 +106,11 @@ constexpr bool kDebugChecks = false;
 // ----------------------------------------------------------------------------- small calls
 // scaled_dot_product_attention's everyday call, whole: NumPy float32 or float64 arrays of one
 // dtype and one leading shape (grouped-query heads allowed), unit feature stride, no mask, a new
-// output; the score variants in their plain forms (a window of ints or None, a float softcap,
-// per-head slopes and sinks as 1-D float arrays, kv_lens as a 1-D int array over the batch of a
-// 4-D call). The general Python path spends ~14 us a call on broadcasting,
-// strides and offsets, against a decode step's few microseconds of kernel, so this one is C,
-// called through METH_FASTCALL (pybind11's argument dispatch alone costs ~1 us).
+// output or an out it can write in place; the score variants in their plain forms (a window of
+// ints or None, a float softcap, per-head slopes and sinks as 1-D float arrays, kv_lens as a 1-D
+// int array over the batch of a 4-D call). The general Python path spends ~14 us a call on
+// broadcasting, strides and offsets, against a decode step's few microseconds of kernel, so this
+// one is C, called through METH_FASTCALL (pybind11's argument dispatch alone costs ~1 us).
 // It declines (returns None) anything else, and the Python layer, which is the definition of the
 // contract and of every error message, takes over; so it never raises but MemoryError. It passes
 // the kernel exactly the arguments the Python path would: results are bitwise the same.
@@ -398,6 +398,8 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
       if (o.shape[i] != q.shape[i]) Py_RETURN_NONE;
     if (o.shape[nd - 2] != Lq || o.shape[nd - 1] != Ev || overlap(o, q) || overlap(o, k) || overlap(o, v))
       Py_RETURN_NONE;
+    for (int i = 0; i < nd; ++i)  // rows written more than once (by different threads): the Python path
+      if (o.shape[i] > 1 && o.strides[i] == 0) Py_RETURN_NONE;
   }
   double scale;
   if (args[5] == Py_None) {
@@ -506,9 +508,13 @@ bool overlap(const View& a, const void* p, index_t n, index_t stride, std::size_
   return n > 0 && x.first < hi && lo < x.second;
 }
 
-// Whether NumPy lets the array o be written in place.
+// Whether NumPy lets the array o be written in place without a word: writeable, and not one of
+// the views NumPy warns about on writing (np.broadcast_arrays' results), which the Python path's
+// flags.writeable check reports.
 bool writable(PyObject* o) {
-  return (py::detail::array_proxy(o)->flags & py::detail::npy_api::NPY_ARRAY_WRITEABLE_) != 0;
+  constexpr int kWarnOnWrite = int(1u << 31);  // NPY_ARRAY_WARN_ON_WRITE
+  const int flags = py::detail::array_proxy(o)->flags;
+  return (flags & py::detail::npy_api::NPY_ARRAY_WRITEABLE_) != 0 && (flags & kWarnOnWrite) == 0;
 }
 
 // A 1-D int64 vector of n entries, or a 2-D C-contiguous int32 table of n rows.

@@ -50,9 +50,14 @@ def cast(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 def writable_in_place(a: np.ndarray) -> bool:
-    """Whether the core may write ``a`` directly: aligned, with strides of whole elements
-    (otherwise it writes a temporary that is then copied in)."""
-    return bool(a.flags.aligned) and not any(s % a.itemsize for s in a.strides)
+    """Whether the core may write ``a`` directly: aligned, with strides of whole elements, no
+    element reached twice through a zero stride (its threads would race on it; otherwise it
+    writes a temporary that is then copied in)."""
+    return (
+        bool(a.flags.aligned)
+        and not any(s % a.itemsize for s in a.strides)
+        and not any(s == 0 and n > 1 for s, n in zip(a.strides, a.shape))
+    )
 
 
 def elem_strides(a: np.ndarray) -> tuple:

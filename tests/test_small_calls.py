@@ -178,6 +178,17 @@ def _decline_cases():
     misaligned = np.frombuffer(b"\0" + q.tobytes(), np.uint8)[1:].view(np.float32).reshape(q.shape)
     cases["misaligned"] = (misaligned, k, v, {})
     cases["out misaligned"] = (q, k, v, {"out": _misaligned(q.shape)})
+    # the same rows reached twice: threads would race on them, so the result goes through a copy
+    rows = np.empty((2, 4, 1, 16), np.float32)
+    cases["out with a zero stride"] = (
+        q,
+        k,
+        v,
+        {"out": np.lib.stride_tricks.as_strided(rows, q.shape, (256, 64, 0, 4))},
+    )
+    with np.errstate(all="ignore"):
+        warned = np.broadcast_arrays(np.empty((1, 4, 3, 16), np.float32), q)[0]
+    cases["out from broadcast_arrays"] = (q, k, v, {"out": warned})
     return cases
 
 

@@ -516,9 +516,9 @@ struct Attention {
     const index_t rl = seen(p, qz, k0, kb).first, rh = max_of<index_t>(rl, seen(p, q0, k0, kb).second);
     const bool exact = (rl > 0 || rh < kb) && !(finite_rows(blk.v, blk.v_rs, rl, a.Ev) &&
                                                 finite_rows(blk.v + rh * blk.v_rs, blk.v_rs, kb - rh, a.Ev));
-    // On the last block of a small group, its output rows instead, for writing: finish_panel
-    // stores them next, and its stores otherwise wait on every line (a larger group's rows would
-    // push its tiles out of L1: finish_panel asks for those one panel at a time).
+    // On the last block, when the panels taking it have few output rows, those rows instead, for
+    // writing: finish_panel stores them next, and its stores otherwise wait on every line (more
+    // rows would push the tiles out of L1: finish_panel asks for those one panel at a time).
     const bool small = std::size_t(qz + 1 - q0) * std::size_t(a.Ev) * sizeof(T) <= (16u << 10);
     const index_t nout = nnext || !small ? 0 : qz + 1 - q0,
                   oper = ceil_div(nout, max_of<index_t>(1, ceil_div(a.Ev, MR)));
@@ -757,7 +757,7 @@ struct Attention {
     } else {
       for (int c = 0; c < NR; ++c) t.inv[c] = inv_of(t.l[c]);
     }
-    // The rows the transpose below stores to (in a small group accumulate asked for them already)
+    // The rows the transpose below stores to (accumulate may have asked for them already)
     prefetch_rows_for_write(o, a.o_rs, qc, a.Ev);
     if (t.fresh)  // no key block was taken in
       for (index_t x = 0; x < a.Ev * NR; ++x) t.acc[x] = T(0);

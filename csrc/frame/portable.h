@@ -34,8 +34,9 @@
 #else
 #define PYATTN_PREFETCH_L2(p) __builtin_prefetch((p), 0, 2)
 #endif
-// Prefetch one cache line about to be written, asking for it exclusive (x86: PREFETCHW, which
-// the AVX2 and AVX-512 units are compiled for: Haswell, which lacks it, runs it as a no-op).
+// Prefetch one cache line about to be written: with GCC and Clang asking for it exclusive
+// (x86: PREFETCHW, which the AVX2 and AVX-512 units are compiled for; Haswell, which lacks it,
+// runs its opcode as a no-op, as 64-bit Windows relies on), with MSVC an L2 read prefetch.
 #if PYATTN_MSVC
 #define PYATTN_PREFETCH_W(p) PYATTN_PREFETCH_L2(p)
 #else
