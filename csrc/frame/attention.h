@@ -322,7 +322,27 @@ struct Attention {
     if (unmasked(p, q0, qz, k0, kb)) return;
     for (int i = 0; i < np; ++i) {
       const index_t qp = q0 + i * NR, qc = min_of<index_t>(NR, p.Lq - qp);
-      for (index_t c = 0; c < qc; ++c) mask_row(p, qp + c, k0, kb, t[i].st + c, NR);
+      if (a.mask_kind == MaskKind::none)
+        mask_edges(p, qp, qc, k0, kb, t[i].st);
+      else
+        for (index_t c = 0; c < qc; ++c) mask_row(p, qp + c, k0, kb, t[i].st + c, NR);
+    }
+  }
+
+  // mask_row for a panel's qc queries from qp without a mask, a key row at a time: query qi sees
+  // key k < Lk iff qi + off - wl <= k < qi + off + wr + 1 (lo and hi unclamped), so the queries
+  // that see key k are the columns [a, b) with a = k - off - wr - qp and b = k - off + wl - qp + 1
+  // (each clamped to [0, qc]); the rest of the row is set to -inf in runs (by column, the same
+  // stores strided by NR were a twentieth of a 32-token prefill).
+  //   st[j, c] = -inf for c < a_j or b_j <= c < qc
+  void mask_edges(const Problem& p, index_t qp, index_t qc, index_t k0, index_t kb, T* st) const {
+    auto clamp = [qc](index_t x) { return min_of<index_t>(qc, max_of<index_t>(0, x)); };
+    for (index_t j = 0; j < kb; ++j) {
+      const index_t k = k0 + j, ca = clamp(k - p.off - wr - qp),
+                    cb = max_of<index_t>(ca, clamp(k - p.off + wl - qp + 1));
+      T* row = st + j * NR;
+      for (index_t c = 0; c < ca; ++c) row[c] = -kInf;
+      for (index_t c = cb; c < qc; ++c) row[c] = -kInf;
     }
   }
 
