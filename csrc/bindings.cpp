@@ -353,8 +353,33 @@ bool key_counts(PyObject* o, const View& q, index_t Lk, std::vector<index_t>& bu
   return true;
 }
 
-bool overlap(const View& a, const View& b);
-bool writable(PyObject* o);
+// The memory [lo, hi) that a view spans (for overlap checks).
+std::pair<const char*, const char*> extent(const View& v) {
+  const char *lo = v.data, *hi = v.data;
+  for (int i = 0; i < v.nd; ++i) (v.strides[i] < 0 ? lo : hi) += (v.shape[i] - 1) * v.strides[i];
+  return {lo, hi + v.itemsize};
+}
+bool overlap(const View& a, const View& b) {
+  const auto x = extent(a), y = extent(b);
+  return x.first < y.second && y.first < x.second;
+}
+// Whether the n elements of `size` bytes, `stride` elements apart from p, touch what `a` spans.
+bool overlap(const View& a, const void* p, index_t n, index_t stride, std::size_t size) {
+  const char* lo = static_cast<const char*>(p);
+  const char* hi = lo + std::size_t(size);
+  (stride < 0 ? lo : hi) += (n - 1) * stride * index_t(size);
+  const auto x = extent(a);
+  return n > 0 && x.first < hi && lo < x.second;
+}
+
+// Whether NumPy lets the array o be written in place without a word: writeable, and not one of
+// the views NumPy warns about on writing (np.broadcast_arrays' results), which the Python path's
+// flags.writeable check reports.
+bool writable(PyObject* o) {
+  constexpr int kWarnOnWrite = int(1u << 31);  // NPY_ARRAY_WARN_ON_WRITE
+  const int flags = py::detail::array_proxy(o)->flags;
+  return (flags & py::detail::npy_api::NPY_ARRAY_WRITEABLE_) != 0 && (flags & kWarnOnWrite) == 0;
+}
 
 // sdpa_small(query, key, value, is_causal, causal_align, scale, enable_gqa, return_lse, window,
 //            softcap, alibi_slopes, sinks, kv_lens, out)
@@ -459,7 +484,7 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     const index_t bh = index_t(qoff.size());
     if (given) {
       lead_offsets(o, nlead, 1, ooff);
-    } else {
+    } else {  // C-contiguous (a view_of it and lead_offsets cost 8% of the smallest call's core)
       ooff.resize(std::size_t(bh));
       for (index_t i = 0; i < bh; ++i) ooff[std::size_t(i)] = i * Lq * Ev;
     }
@@ -487,34 +512,6 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     // clang-format on
     return attend(a, q.typenum, out, lse, want_lse, true, k.kv);
   });
-}
-
-// The memory [lo, hi) that a view spans (for overlap checks).
-std::pair<const char*, const char*> extent(const View& v) {
-  const char *lo = v.data, *hi = v.data;
-  for (int i = 0; i < v.nd; ++i) (v.strides[i] < 0 ? lo : hi) += (v.shape[i] - 1) * v.strides[i];
-  return {lo, hi + v.itemsize};
-}
-bool overlap(const View& a, const View& b) {
-  const auto x = extent(a), y = extent(b);
-  return x.first < y.second && y.first < x.second;
-}
-// Whether the n elements of `size` bytes, `stride` elements apart from p, touch what `a` spans.
-bool overlap(const View& a, const void* p, index_t n, index_t stride, std::size_t size) {
-  const char* lo = static_cast<const char*>(p);
-  const char* hi = lo + std::size_t(size);
-  (stride < 0 ? lo : hi) += (n - 1) * stride * index_t(size);
-  const auto x = extent(a);
-  return n > 0 && x.first < hi && lo < x.second;
-}
-
-// Whether NumPy lets the array o be written in place without a word: writeable, and not one of
-// the views NumPy warns about on writing (np.broadcast_arrays' results), which the Python path's
-// flags.writeable check reports.
-bool writable(PyObject* o) {
-  constexpr int kWarnOnWrite = int(1u << 31);  // NPY_ARRAY_WARN_ON_WRITE
-  const int flags = py::detail::array_proxy(o)->flags;
-  return (flags & py::detail::npy_api::NPY_ARRAY_WRITEABLE_) != 0 && (flags & kWarnOnWrite) == 0;
 }
 
 // A 1-D int64 vector of n entries, or a 2-D C-contiguous int32 table of n rows.

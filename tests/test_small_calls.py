@@ -175,9 +175,8 @@ def _decline_cases():
         "out a subclass": (q, k, v, {"out": np.empty(q.shape, np.float32).view(_Sub)}),
         "out big-endian": (q, k, v, {"out": np.empty(q.shape, ">f4")}),
     }
-    misaligned = np.frombuffer(b"\0" + q.tobytes(), np.uint8)[1:].view(np.float32).reshape(q.shape)
-    cases["misaligned"] = (misaligned, k, v, {})
-    cases["out misaligned"] = (q, k, v, {"out": _misaligned(q.shape)})
+    cases["misaligned"] = (_misaligned(q), k, v, {})
+    cases["out misaligned"] = (q, k, v, {"out": _misaligned(np.zeros_like(q))})
     # the same rows reached twice: threads would race on them, so the result goes through a copy
     rows = np.empty((2, 4, 1, 16), np.float32)
     cases["out with a zero stride"] = (
@@ -192,10 +191,11 @@ def _decline_cases():
     return cases
 
 
-def _misaligned(shape):
-    """A writable float32 array of `shape` whose data is not 4-byte aligned."""
-    n = int(np.prod(shape))
-    return np.frombuffer(bytearray(4 * n + 1), np.uint8)[1:].view(np.float32).reshape(shape)
+def _misaligned(a):
+    """A writable copy of `a` whose data is not aligned to its element size."""
+    m = np.frombuffer(bytearray(a.nbytes + 1), np.uint8)[1:].view(a.dtype).reshape(a.shape)
+    m[...] = a
+    return m
 
 
 class _Sub(np.ndarray):

@@ -103,14 +103,14 @@ struct Attention {
   void prefetch_keys(const Problem& p, index_t j0, index_t n) const {
     for (index_t j = j0, e = j0 + n; j < e;) {
       const index_t m = min_of<index_t>(e - j, run(j));
-      prefetch_rows_l2(key_row(p, j), a.k_rs, m, a.E);
+      prefetch_rows(key_row(p, j), a.k_rs, m, a.E);
       j += m;
     }
   }
   void prefetch_values(const Problem& p, index_t j0, index_t n) const {
     for (index_t j = j0, e = j0 + n; j < e;) {
       const index_t m = min_of<index_t>(e - j, run(j));
-      prefetch_rows_l2(value_row(p, j), a.v_rs, m, a.Ev);
+      prefetch_rows(value_row(p, j), a.v_rs, m, a.Ev);
       j += m;
     }
   }
@@ -205,14 +205,19 @@ struct Attention {
   }
 
   // s[j*stride] = -inf where key k0+j (j < kb) is hidden from query qi of problem p (outside
-  // [lo, hi): causal, window, kv_lens; or a false bool mask); an additive mask is added. Shared
-  // by the prefill tiles and the decode rows.
+  // [lo, hi): causal, window, kv_lens; or a false bool mask); an additive mask is added. The
+  // decode rows' masking; the prefill tiles set the edges by rows (mask_edges), then apply_mask.
   PYATTN_PHASE void mask_row(const Problem& p, index_t qi, index_t k0, index_t kb, T* s, index_t stride) const {
     const auto [jl, jh] = seen(p, qi, k0, kb);
     for (index_t j = 0; j < jl; ++j) s[j * stride] = -kInf;
     for (index_t j = jh; j < kb; ++j) s[j * stride] = -kInf;
-    apply_mask_row(a.mask_kind, a.mask, a.mask_kind == MaskKind::none ? 0 : a.moff[p.bh] + qi * a.m_rs + k0 * a.m_cs,
-                   a.m_cs, kb, s, stride);
+    apply_mask(p, qi, k0, kb, s, stride);
+  }
+
+  // The call's mask on query qi's scores of keys k0..k0+kb (s[j*stride]), if it has one.
+  void apply_mask(const Problem& p, index_t qi, index_t k0, index_t kb, T* s, index_t stride) const {
+    if (a.mask_kind != MaskKind::none)
+      apply_mask_row(a.mask_kind, a.mask, a.moff[p.bh] + qi * a.m_rs + k0 * a.m_cs, a.m_cs, kb, s, stride);
   }
 
   // Whether keys [k0, k0+kb) are all visible to queries qa..qz: no mask, and the block inside
@@ -308,8 +313,8 @@ struct Attention {
                                                t[i].st + j * NR, NR, t[i].nr, t[i].sub, t[i].cmax, t[i].csum, p.md,
                                                T(q0 + i * NR + p.off - (k0 + j)));
         } else {
-          // columns before c0 cannot see key k0 + j, nor the later keys of these rows: mask_row
-          // sets all of them to -inf, so they are not computed
+          // columns before c0 cannot see key k0 + j, nor the later keys of these rows:
+          // mask_edges sets all of them to -inf, so they are not computed
           const int c0 = hidden_vectors(p, q0 + i * NR, k0 + j, t[i].nr);
           if (c0 < t[i].nr)
             K::ukernel(mr, a.E, blk.k + j * blk.k_rs, blk.k_rs, 1, t[i].qt + c0, NR, t[i].st + j * NR + c0, NR,
@@ -322,18 +327,17 @@ struct Attention {
     if (unmasked(p, q0, qz, k0, kb)) return;
     for (int i = 0; i < np; ++i) {
       const index_t qp = q0 + i * NR, qc = min_of<index_t>(NR, p.Lq - qp);
-      if (a.mask_kind == MaskKind::none)
-        mask_edges(p, qp, qc, k0, kb, t[i].st);
-      else
-        for (index_t c = 0; c < qc; ++c) mask_row(p, qp + c, k0, kb, t[i].st + c, NR);
+      mask_edges(p, qp, qc, k0, kb, t[i].st);
+      if (a.mask_kind != MaskKind::none)
+        for (index_t c = 0; c < qc; ++c) apply_mask(p, qp + c, k0, kb, t[i].st + c, NR);
     }
   }
 
-  // mask_row for a panel's qc queries from qp without a mask, a key row at a time: query qi sees
-  // key k < Lk iff qi + off - wl <= k < qi + off + wr + 1 (lo and hi unclamped), so the queries
-  // that see key k are the columns [a, b) with a = k - off - wr - qp and b = k - off + wl - qp + 1
-  // (each clamped to [0, qc]); the rest of the row is set to -inf in runs (by column, the same
-  // stores strided by NR were a twentieth of a 32-token prefill).
+  // mask_row's position edges for a panel's qc queries from qp, a key row at a time: query qi
+  // sees key k < Lk iff qi + off - wl <= k < qi + off + wr + 1 (lo and hi unclamped), so the
+  // queries that see key k are the columns [a, b) with a = k - off - wr - qp and
+  // b = k - off + wl - qp + 1 (each clamped to [0, qc]); the rest of the row is set to -inf in
+  // runs (by column, the same stores strided by NR were a twentieth of a 32-token prefill).
   //   st[j, c] = -inf for c < a_j or b_j <= c < qc
   void mask_edges(const Problem& p, index_t qp, index_t qc, index_t k0, index_t kb, T* st) const {
     auto clamp = [qc](index_t x) { return min_of<index_t>(qc, max_of<index_t>(0, x)); };
@@ -348,7 +352,7 @@ struct Attention {
 
   // The leading columns of a panel (queries from qp, nr of them), in whole vectors, whose right
   // edge (causal, window, kv_lens) lies at or before key kj: they see no key from kj on. Only a
-  // masked block has any (an unmasked one is inside every query's edges), so mask_row follows.
+  // masked block has any (an unmasked one is inside every query's edges), so mask_edges follows.
   int hidden_vectors(const Problem& p, index_t qp, index_t kj, int nr) const {
     int c = 0;
     while (c + VL <= nr && hi(p, qp + c + VL - 1) <= kj) c += VL;
@@ -547,7 +551,7 @@ struct Attention {
       const int mr = int(min_of<index_t>(MR, a.Ev - d));
       if (r < nnext) prefetch_keys(p, k0 + kb + r, min_of<index_t>(per, nnext - r));
       const index_t ro = (d / MR) * oper;
-      if (ro < nout) prefetch_rows_for_write(o + ro * a.o_rs, a.o_rs, min_of<index_t>(oper, nout - ro), a.Ev);
+      if (ro < nout) prefetch_rows<true>(o + ro * a.o_rs, a.o_rs, min_of<index_t>(oper, nout - ro), a.Ev);
       for (int i = 0; i < np; ++i) {
         if (exact)
           pv_exact(p, q0 + i * NR, k0, kb, blk.v + d, blk.v_rs, mr, t[i], d);
@@ -695,7 +699,7 @@ struct Attention {
     // The task's Q rows and first K block are asked for together before the Q^T packing starts
     // on them: on short sequences these first touches were a sixth of the time.
     const index_t nq = min_of<index_t>(p.Lq - q0, index_t(np) * NR);
-    prefetch_rows_l2(query + a.qoff[p.bh] + q0 * a.q_rs, a.q_rs, nq, a.E);
+    prefetch_rows(query + a.qoff[p.bh] + q0 * a.q_rs, a.q_rs, nq, a.E);
     if (kend > kbeg) prefetch_keys(p, kbeg, min_of<index_t>(BK, kend - kbeg));
     for (int i = 0; i < np; ++i) {
       const index_t qp = first_q(q0, i), qc = min_of<index_t>(NR, p.Lq - qp);
@@ -778,7 +782,7 @@ struct Attention {
       for (int c = 0; c < NR; ++c) t.inv[c] = inv_of(t.l[c]);
     }
     // The rows the transpose below stores to (accumulate may have asked for them already)
-    prefetch_rows_for_write(o, a.o_rs, qc, a.Ev);
+    prefetch_rows<true>(o, a.o_rs, qc, a.Ev);
     if (t.fresh)  // no key block was taken in
       for (index_t x = 0; x < a.Ev * NR; ++x) t.acc[x] = T(0);
     K::transpose(t.acc, NR, a.Ev, qc, o, a.o_rs, ColumnScale<T>{t.inv});  // out = acc / l
@@ -950,10 +954,10 @@ struct Attention {
           for (index_t j = 0; j < kb; ++j) ks[j] = kscale(*cur, j);
       } else if (r.R == 1 || !(cached || kInt8)) {
         for (index_t j = 0; j < kb; ++j) {
-          prefetch_rows_l2(vrow(*cur, j), a.v_rs, 1, Ev);
+          prefetch_rows(vrow(*cur, j), a.v_rs, 1, Ev);
           if (j < nb) {
-            prefetch_rows_l2(krow(*nxt, j), a.k_rs, 1, E);
-            prefetch_rows_l2(vrow(*nxt, j), a.v_rs, 1, Ev);
+            prefetch_rows(krow(*nxt, j), a.k_rs, 1, E);
+            prefetch_rows(vrow(*nxt, j), a.v_rs, 1, Ev);
           }
           K::dot_rows(r.q, E, r.R, krow(*cur, j), E, r.s + j, DB);
           if constexpr (kInt8) ks[j] = kscale(*cur, j);
@@ -966,10 +970,10 @@ struct Attention {
           const index_t n = min_of<index_t>(KG, kb - jg);
           for (index_t j = jg; j < jg + n; ++j) {
             if (!cached) {
-              prefetch_rows_l2(vrow(*cur, j), a.v_rs, 1, Ev);
+              prefetch_rows(vrow(*cur, j), a.v_rs, 1, Ev);
               if (j < nb) {
-                prefetch_rows_l2(krow(*nxt, j), a.k_rs, 1, E);
-                prefetch_rows_l2(vrow(*nxt, j), a.v_rs, 1, Ev);
+                prefetch_rows(krow(*nxt, j), a.k_rs, 1, E);
+                prefetch_rows(vrow(*nxt, j), a.v_rs, 1, Ev);
               }
             }
             if constexpr (kInt8) ks[j] = kscale(*cur, j);

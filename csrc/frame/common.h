@@ -185,18 +185,18 @@ constexpr double kExp2Taylor[14] = {1.0,
 //   dst[c*drs + r] = src[r*srs + c], r < rows, c < cols
 // Asks for rows [0, rows) of cols elements, rs apart, to be brought into L2 ahead of use: K and V
 // rows are read by the attention kernels in place (never packed), and their first touch would
-// otherwise stall on strided misses that the hardware prefetchers do not follow.
-template <class T>
-inline void prefetch_rows_l2(const T* p, index_t rs, index_t rows, index_t cols) {
+// otherwise stall on strided misses that the hardware prefetchers do not follow. With Write, for
+// writing (the output rows, whose stores otherwise wait on every line).
+template <bool Write = false, class T>
+inline void prefetch_rows(const T* p, index_t rs, index_t rows, index_t cols) {
   constexpr index_t line = 64 / sizeof(T);
   for (index_t r = 0; r < rows; ++r)
-    for (index_t c = 0; c < cols; c += line) PYATTN_PREFETCH_L2(p + r * rs + c);
-}
-template <class T>
-inline void prefetch_rows_for_write(T* p, index_t rs, index_t rows, index_t cols) {
-  constexpr index_t line = 64 / sizeof(T);
-  for (index_t r = 0; r < rows; ++r)
-    for (index_t c = 0; c < cols; c += line) PYATTN_PREFETCH_W(p + r * rs + c);
+    for (index_t c = 0; c < cols; c += line) {
+      if constexpr (Write)
+        PYATTN_PREFETCH_W(p + r * rs + c);
+      else
+        PYATTN_PREFETCH_L2(p + r * rs + c);
+    }
 }
 
 // Scales a transpose may apply on the way, one per source column c (at(c)): none, one for all
