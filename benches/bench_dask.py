@@ -11,6 +11,14 @@ queries whole; smoke: B1 H2 L512 D64):
   ``pyattn-2t / dask-2w`` >= 0.85, the scheduler's and the merges' overhead);
 - ``pyattn-1t``: the same on 1 thread (what one worker's tasks add up to, without Dask).
 
+The workers keep freed memory for reuse (``WORKER_MALLOC``: glibc's ``MALLOC_MMAP_THRESHOLD_``
+32 MiB, ``MALLOC_TRIM_THRESHOLD_`` 128 MiB, set through ``distributed.nanny.pre-spawn-environ``).
+Dask's default (``MALLOC_TRIM_THRESHOLD_=65536``, which also turns off glibc's adaptive mmap
+threshold) makes every array of a state's size a fresh ``mmap`` that faults in page by page; on a
+VM whose balloon reports freed pages to the host, re-faulting them cost this bench a quarter to a
+half of its time (docs/dask.md). ``--worker-malloc dask`` (or ``PYATTN_BENCH_DASK_MALLOC=dask``
+under pytest) measures Dask's default.
+
 Q, K and V are persisted on each cluster before timing, so a timed call moves Q to the workers,
 computes, merges and gathers the (B, H, L, D) output into this process, as a user's
 ``.compute()`` does. Every item checks its output against the single-process call. Needs dask
@@ -20,12 +28,13 @@ pytest-benchmark times the items one after the other. On a machine shared with o
 the interleaved comparison instead (every item once per round, rotating the order, medians and
 per-round ratios printed):
 
-    python benches/bench_dask.py --rounds 11 --key-chunks 2,4
+    python benches/bench_dask.py --rounds 11 --key-chunks 2,4 [--worker-malloc dask]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 import warnings
@@ -78,6 +87,39 @@ def data(case):
     return q, k, v, pyattn.scaled_dot_product_attention(q, k, v)
 
 
+# glibc settings of the worker processes: arrays up to 32 MiB come from the heap, and up to 128 MiB
+# of freed heap stays in the process, so a state's output, its merge and its receive buffers reuse
+# memory that is already mapped
+WORKER_MALLOC = {"MALLOC_MMAP_THRESHOLD_": 32 << 20, "MALLOC_TRIM_THRESHOLD_": 128 << 20}
+
+
+def _start(n_workers, worker_malloc="keep"):
+    """A LocalCluster of n_workers processes x 1 thread and its client; worker_malloc "keep"
+    (WORKER_MALLOC) or "dask" (Dask's own pre-spawn environment).
+
+    glibc reads MALLOC_* once, as a process starts, so they must be in the environment the nanny
+    spawns from: the nanny takes os.environ over its config and writes its pre-spawn variables into
+    this process's os.environ, so they are set here explicitly and restored afterwards."""
+    if worker_malloc not in ("keep", "dask"):
+        raise ValueError(f"worker_malloc must be 'keep' or 'dask'; got {worker_malloc!r}")
+    saved = {k: os.environ.pop(k, None) for k in WORKER_MALLOC}
+    if worker_malloc == "keep":
+        os.environ.update({k: str(v) for k, v in WORKER_MALLOC.items()})
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cluster = distributed.LocalCluster(
+                n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=None, silence_logs=40
+            )
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return cluster, distributed.Client(cluster, set_as_default=False)
+
+
 @pytest.fixture(scope="module")
 def clusters():
     """One LocalCluster per worker count, started on first use, closed at the end."""
@@ -85,12 +127,7 @@ def clusters():
 
     def get(n_workers):
         if n_workers not in made:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                cluster = distributed.LocalCluster(
-                    n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=None, silence_logs=40
-                )
-            made[n_workers] = (cluster, distributed.Client(cluster, set_as_default=False))
+            made[n_workers] = _start(n_workers, os.environ.get("PYATTN_BENCH_DASK_MALLOC", "keep"))
         return made[n_workers][1]
 
     yield get
@@ -129,22 +166,13 @@ def test_dask_keys(benchmark, case, data, clusters, impl):
     assert_close(got, expected, 1e-5, impl)
 
 
-def _start(n_workers):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cluster = distributed.LocalCluster(
-            n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=None, silence_logs=40
-        )
-    return cluster, distributed.Client(cluster, set_as_default=False)
-
-
-def interleaved(rounds: int, key_chunks, case: Case):
+def interleaved(rounds: int, key_chunks, case: Case, worker_malloc="keep"):
     """Every item once per round, the order rotating; returns {item: [seconds per round]}."""
     rng = rng_for("dask", case.name)
     shape = (case.b, case.h, case.l, case.d)
     q, k, v = normal(rng, shape), normal(rng, shape), normal(rng, shape)
     expected = pyattn.scaled_dot_product_attention(q, k, v)
-    clusters = {n: _start(n) for n in (2, 1)}
+    clusters = {n: _start(n, worker_malloc) for n in (2, 1)}
     items = {}
     try:
         for n, (_, client) in clusters.items():
@@ -186,12 +214,19 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--key-chunks", default="2,4")
     ap.add_argument("--l", type=int, default=Case.l)
+    ap.add_argument(
+        "--worker-malloc",
+        choices=["keep", "dask"],
+        default="keep",
+        help="the workers' glibc settings: keep freed memory (WORKER_MALLOC) or Dask's default",
+    )
     args = ap.parse_args(argv)
     case = Case(l=args.l)
     chunks = [int(c) for c in args.key_chunks.split(",")]
-    times = interleaved(args.rounds, chunks, case)
+    times = interleaved(args.rounds, chunks, case, args.worker_malloc)
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    print(f"{case.name.replace('keys/4', '')}, {args.rounds} interleaved rounds, medians:")
+    head = f"{case.name.replace('keys/4', '')}, worker malloc {args.worker_malloc!r}, {args.rounds} interleaved rounds"
+    print(f"{head}, medians:")
     for name, m in med.items():
         print(f"  {name:16s} {m:7.3f} s")
     for nc in chunks:
