@@ -1014,6 +1014,8 @@ PYBIND11_MODULE(_core, m) {
   m.add_object("sdpa_small", py::reinterpret_steal<py::object>(PyCFunction_NewEx(&small::sdpa_def, nullptr, nullptr)));
   m.def("isa", [] { return std::string(pyattn::active_isa().name); }, "Name of the kernel set in use.");
   m.def("isa_reason", &pyattn::isa_reason, "Why the kernel set in use was chosen (CPU flags, PYATTN_ISA, set_isa).");
+  m.def("decode_prefetch_streams", &pyattn::decode_prefetch_streams,
+        "Whether the decode prefetches single streamed K/V rows key by key (CPU vendor, PYATTN_DECODE_PREFETCH).");
   m.def(
       "set_isa", [](const std::string& name) { return pyattn::set_active_isa(name.c_str()); }, py::arg("name"),
       "Switch kernel set (tests); returns False if this CPU cannot run it.");

@@ -435,6 +435,9 @@ def show_config(*, file=None) -> dict:
         "isa_reason": reason,
         "isas_available": list(_core.available_isas()),
         "isa_forced_by": forced,
+        # how the decode reads single K/V rows streamed from memory: key by key with software
+        # prefetches (AMD, Arm) or several keys at a time without (Intel); PYATTN_DECODE_PREFETCH
+        "decode_prefetch": bool(_core.decode_prefetch_streams()),
         "threads": get_num_threads(),
         "compiler": _core.compiler,
         "numpy": np.__version__,

@@ -245,3 +245,45 @@ def test_default_thread_count_is_bounded():
         assert r.returncode == 0, r.stderr
         got, bound = map(int, r.stdout.split())
         assert got == (bound if bounded else 3)
+
+
+def test_decode_prefetch_choice():
+    """PYATTN_DECODE_PREFETCH picks how the decode streams single K/V rows (key by key with
+    prefetches, or several keys at a time without); show_config reports the choice, and both
+    give the reference's result on every kernel set."""
+    code = (
+        "import io, json, numpy as np, pyattn, pyattn._core as c\n"
+        "rng = np.random.default_rng(5)\n"
+        "q = rng.standard_normal((1, 4, 1, 128), dtype=np.float32)\n"
+        # 33.6 MB of K/V: past the size the decode treats as cached, so the choice applies
+        "k, v = (rng.standard_normal((1, 4, 8200, 128), dtype=np.float32) for _ in range(2))\n"
+        "out = {}\n"
+        "for isa in c.available_isas():\n"
+        "    c.set_isa(isa)\n"
+        "    out[isa] = pyattn.scaled_dot_product_attention(q, k, v).tolist()\n"
+        "print(json.dumps({'flag': pyattn.show_config(file=io.StringIO())['decode_prefetch'], 'out': out}))\n"
+    )
+    here = os.path.dirname(os.path.abspath(__file__))
+    base = {k: v for k, v in os.environ.items() if k != "PYATTN_DECODE_PREFETCH"}
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 4, 1, 128), dtype=np.float32)
+    k, v = (rng.standard_normal((1, 4, 8200, 128), dtype=np.float32) for _ in range(2))
+    ref = pyattn.reference.scaled_dot_product_attention(q.astype(np.float64), k.astype(np.float64), v)
+    flags = {}
+    for setting, flag in (("0", False), ("1", True), ("", None), ("yes", None)):
+        res = subprocess.run(
+            [sys.executable, "-c", code],
+            env=dict(base, PYATTN_DECODE_PREFETCH=setting),
+            capture_output=True,
+            text=True,
+            cwd=here,
+            timeout=300,
+        )
+        assert res.returncode == 0, res.stderr
+        got = json.loads(res.stdout)
+        flags[setting] = got["flag"]
+        if flag is not None:
+            assert got["flag"] is flag, (setting, got["flag"])
+        for isa, out in got["out"].items():
+            np.testing.assert_allclose(np.asarray(out), ref, rtol=0, atol=2e-6, err_msg=f"{isa} {setting!r}")
+    assert flags["yes"] is flags[""]  # anything but 0 or 1 leaves the choice to the CPU

@@ -123,6 +123,12 @@ const IsaTable& active_isa();
 bool set_active_isa(const char* name);  // false if unknown or unsupported by this CPU
 std::string isa_reason();               // why the kernel set in use was chosen, in words
 int isa_supported(const char* name);
+// Whether the decode prefetches the K/V rows it streams, one row per key, when each key has one
+// query row (no GQA group) and the rows lie in one contiguous run (no block table). On AMD cores
+// (Zen 3, Zen 5) that key-by-key loop with prefetches was 1.10-1.15x faster than several keys
+// per pass without them; on an Intel Xeon the opposite, by 1.05-1.2x (docs/performance.md).
+// So: not on Intel, yes elsewhere; PYATTN_DECODE_PREFETCH=0 or 1 decides instead.
+bool decode_prefetch_streams();
 int default_num_threads();
 int get_num_threads();
 void set_num_threads(int n);  // 0: unset, OpenMP's count (which threadpoolctl can limit)

@@ -908,6 +908,9 @@ struct Attention {
     const Problem pg = problem(h0);  // the group's K/V
     // Whether the call's K/V (all groups, all keys) fit in half a typical L3.
     const bool cached = double(a.bh / a.group) * double(a.Lk) * double(E + Ev) * double(sizeof(KV)) <= 16.0 * (1 << 20);
+    // Single rows streamed from memory: prefetched key by key, or (contiguous K/V on CPUs where
+    // that measured slower, decode_prefetch_streams) several keys at a time with none.
+    const bool stream_keys = !cached && (a.block_table != nullptr || decode_prefetch_streams());
     T ks[DB];  // int8: this block's key scales, then its value scales
     // Where this block's keys (cur) and those PFD blocks ahead (nxt) lie: row j is row
     // slot[j] of page page[j] (page 0, slot = key for a contiguous cache), stepped through the
@@ -939,14 +942,18 @@ struct Attention {
       // one query row, L / 4 for grouped rows), with no software prefetch: from L2/L3 the
       // hardware's keeps up, and the prefetches cost more than they save (grouped rows, Hq4 Hkv1
       // Lk4096 D128, one thread: 23.4 ns a key with them, 16.0 without).
-      // Streamed from memory, the key-by-key loop is faster for float rows (L keys at a time
-      // measured 1.10-1.15x slower on one thread, H32 Lk4096 D128; L / 4 keys of grouped rows
-      // 1.24-1.55x, Hkv8 Lk32768 D128; the cause was not found), but an int8 cache, bound by
-      // its conversions, takes the grouped rows L / 4 keys at a time (1.15x faster).
+      // Streamed from memory, the key-by-key loop is faster for float rows on AMD cores (L keys
+      // at a time measured 1.10-1.15x slower on one thread, H32 Lk4096 D128; L / 4 keys of
+      // grouped rows 1.24-1.55x, Hkv8 Lk32768 D128; the cause was not found), but an int8
+      // cache, bound by its conversions, takes the grouped rows L / 4 keys at a time (1.15x
+      // faster). On an Intel Xeon single rows ran 1.05-1.2x faster L keys at a time without
+      // prefetches (GPT-2 B4 c1024, H32 c8192), except through a block table (1.08x slower);
+      // its grouped rows kept the key-by-key loop (L / 4 keys without prefetches: 1.11-1.65x
+      // slower on 64-128 MiB caches).
       // The first and last branches look alike but stay apart: one branch for both (the same
       // arithmetic, bit for bit) made the streamed key-by-key loop between them 1.06-1.09x slower
       // (GPT-2 B4 c1024, three one-process A/Bs), this loop's known sensitivity to code layout.
-      if (r.R == 1 && cached) {
+      if (r.R == 1 && !stream_keys) {
         const KV* krows[DB];
         rows_at(kb0, a.k_rs, a.k_ps, *cur, k0, kb, krows);
         K::dot_keys(r.q, E, index_t(1), krows, kb, E, r.s, DB);

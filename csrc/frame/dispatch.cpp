@@ -170,6 +170,24 @@ std::string isa_reason() {
 
 int isa_supported(const char* name) { return table_for(name) != nullptr; }
 
+bool decode_prefetch_streams() {
+  static const bool on = [] {
+    const char* env = std::getenv("PYATTN_DECODE_PREFETCH");
+    if (env && (std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0)) return *env == '1';
+#if defined(PYATTN_HAVE_X86)
+#if PYATTN_MSVC
+    return !portable::x86_is_intel();
+#else
+    __builtin_cpu_init();
+    return !__builtin_cpu_is("intel");
+#endif
+#else
+    return true;
+#endif
+  }();
+  return on;
+}
+
 // OpenMP's count (OMP_NUM_THREADS, else the CPUs), within set_num_threads' bound (_api._thread_count):
 // an OMP_NUM_THREADS of 100000 would start that many threads for one call
 int default_num_threads() {

@@ -85,6 +85,12 @@ inline bool x86_has(bool avx512) {
   const unsigned need = (1u << 16) | (1u << 17) | (1u << 30) | (1u << 31);  // F, DQ, BW, VL
   return (ebx7 & need) == need && (xcr0 & 0xe6) == 0xe6;
 }
+// __builtin_cpu_is("intel"): CPUID leaf 0's vendor string is "GenuineIntel" (EBX, EDX, ECX)
+inline bool x86_is_intel() {
+  int r[4];
+  __cpuid(r, 0);
+  return r[1] == 0x756e6547 && r[3] == 0x49656e69 && r[2] == 0x6c65746e;
+}
 #endif
 
 }  // namespace portable
