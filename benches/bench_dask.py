@@ -88,8 +88,8 @@ def data(case):
 
 
 # glibc settings of the worker processes: arrays up to 32 MiB come from the heap, and up to 128 MiB
-# of freed heap stays in the process, so a state's output, its merge and its receive buffers reuse
-# memory that is already mapped
+# of freed heap stays in each malloc arena, so a state's output, its merge and its receive buffers
+# reuse memory that is already mapped
 WORKER_MALLOC = {"MALLOC_MMAP_THRESHOLD_": 32 << 20, "MALLOC_TRIM_THRESHOLD_": 128 << 20}
 
 
@@ -97,16 +97,20 @@ def _start(n_workers, worker_malloc="keep"):
     """A LocalCluster of n_workers processes x 1 thread and its client; worker_malloc "keep"
     (WORKER_MALLOC) or "dask" (Dask's own pre-spawn environment).
 
-    glibc reads MALLOC_* once, as a process starts, so they must be in the environment the nanny
-    spawns from: the nanny takes os.environ over its config and writes its pre-spawn variables into
-    this process's os.environ, so they are set here explicitly and restored afterwards."""
+    glibc reads MALLOC_* once, as a process starts, so they go into the nanny's pre-spawn
+    environment (kept by each nanny, so a restarted worker gets them again). A value in this
+    process's os.environ would take precedence over that config, so these two are taken out of it
+    while the cluster starts, and put back after: the nanny writes its pre-spawn variables into
+    os.environ as it spawns a worker (a restart later writes them again; Dask's OMP_NUM_THREADS=1
+    and PYTHONHASHSEED stay there too, which this process's OpenMP, started already, ignores)."""
     if worker_malloc not in ("keep", "dask"):
         raise ValueError(f"worker_malloc must be 'keep' or 'dask'; got {worker_malloc!r}")
     saved = {k: os.environ.pop(k, None) for k in WORKER_MALLOC}
+    env = dict(dask.config.get("distributed.nanny.pre-spawn-environ"))
     if worker_malloc == "keep":
-        os.environ.update({k: str(v) for k, v in WORKER_MALLOC.items()})
+        env.update(WORKER_MALLOC)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), dask.config.set({"distributed.nanny.pre-spawn-environ": env}):
             warnings.simplefilter("ignore")
             cluster = distributed.LocalCluster(
                 n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=None, silence_logs=40

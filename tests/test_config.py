@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+from _decode_cases import decode_cases
 from _helpers import ISAS
 
 import pyattn
@@ -250,25 +251,21 @@ def test_default_thread_count_is_bounded():
 def test_decode_prefetch_choice():
     """PYATTN_DECODE_PREFETCH picks how the decode streams single K/V rows (key by key with
     prefetches, or several keys at a time without); show_config reports the choice, and both
-    give the reference's result on every kernel set."""
+    give the reference's result on every kernel set: float32 (with kv_lens), float16 and int8
+    K/V, each past the 16 MiB the decode treats as cached, so that the choice applies."""
     code = (
         "import io, json, numpy as np, pyattn, pyattn._core as c\n"
-        "rng = np.random.default_rng(5)\n"
-        "q = rng.standard_normal((1, 4, 1, 128), dtype=np.float32)\n"
-        # 33.6 MB of K/V: past the size the decode treats as cached, so the choice applies
-        "k, v = (rng.standard_normal((1, 4, 8200, 128), dtype=np.float32) for _ in range(2))\n"
+        "from _decode_cases import decode_cases  # (tests/, the working directory)\n"
         "out = {}\n"
         "for isa in c.available_isas():\n"
         "    c.set_isa(isa)\n"
-        "    out[isa] = pyattn.scaled_dot_product_attention(q, k, v).tolist()\n"
+        "    for name, (fn, _) in decode_cases().items():\n"
+        "        out[f'{isa} {name}'] = fn().tolist()\n"
         "print(json.dumps({'flag': pyattn.show_config(file=io.StringIO())['decode_prefetch'], 'out': out}))\n"
     )
     here = os.path.dirname(os.path.abspath(__file__))
     base = {k: v for k, v in os.environ.items() if k != "PYATTN_DECODE_PREFETCH"}
-    rng = np.random.default_rng(5)
-    q = rng.standard_normal((1, 4, 1, 128), dtype=np.float32)
-    k, v = (rng.standard_normal((1, 4, 8200, 128), dtype=np.float32) for _ in range(2))
-    ref = pyattn.reference.scaled_dot_product_attention(q.astype(np.float64), k.astype(np.float64), v)
+    refs = {name: ref() for name, (_, ref) in decode_cases().items()}
     flags = {}
     for setting, flag in (("0", False), ("1", True), ("", None), ("yes", None)):
         res = subprocess.run(
@@ -277,13 +274,15 @@ def test_decode_prefetch_choice():
             capture_output=True,
             text=True,
             cwd=here,
-            timeout=300,
+            timeout=600,
         )
         assert res.returncode == 0, res.stderr
         got = json.loads(res.stdout)
         flags[setting] = got["flag"]
         if flag is not None:
             assert got["flag"] is flag, (setting, got["flag"])
-        for isa, out in got["out"].items():
-            np.testing.assert_allclose(np.asarray(out), ref, rtol=0, atol=2e-6, err_msg=f"{isa} {setting!r}")
+        assert len(got["out"]) == len(refs) * len(pyattn._core.available_isas())
+        for key, out in got["out"].items():
+            name = key.split(" ", 1)[1]
+            np.testing.assert_allclose(np.asarray(out), refs[name], rtol=0, atol=3e-6, err_msg=f"{key} {setting!r}")
     assert flags["yes"] is flags[""]  # anything but 0 or 1 leaves the choice to the CPU
