@@ -254,8 +254,10 @@ def test_decode_prefetch_choice():
     give the reference's result on every kernel set: float32 (with kv_lens), float16 and int8
     K/V, each past the 16 MiB the decode treats as cached, so that the choice applies."""
     code = (
-        "import io, json, numpy as np, pyattn, pyattn._core as c\n"
-        "from _decode_cases import decode_cases  # (tests/, the working directory)\n"
+        "import io, json, sys, numpy as np, pyattn, pyattn._core as c\n"
+        # tests/ by path: under PYTHONSAFEPATH (the wheel builds' tests) -c adds no directory
+        f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+        "from _decode_cases import decode_cases\n"
         "out = {}\n"
         "for isa in c.available_isas():\n"
         "    c.set_isa(isa)\n"

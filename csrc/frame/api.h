@@ -126,9 +126,9 @@ int isa_supported(const char* name);
 // Whether the decode prefetches the K/V rows it streams, one row per key, when each key has one
 // query row (no GQA group) and the rows lie in one contiguous run (no block table). On AMD cores
 // (Zen 3, Zen 5) that key-by-key loop with prefetches was 1.10-1.15x faster than several keys
-// per pass without them; on an Intel Xeon the opposite, by 1.05-1.2x (AVX2 kernels 1.25x;
-// docs/performance.md).
-// So: not on Intel, yes elsewhere; PYATTN_DECODE_PREFETCH=0 or 1 decides instead.
+// per pass without them; on an Intel Xeon the other loop was 1.04-1.16x faster with AVX-512 and
+// up to 1.25x with AVX2 (one case even; docs/performance.md). So: not on Intel, yes on every
+// other CPU (only AMD's measured); PYATTN_DECODE_PREFETCH=0 or 1 decides instead.
 bool decode_prefetch_streams();
 int default_num_threads();
 int get_num_threads();

@@ -867,7 +867,8 @@ struct Attention {
 
   static constexpr index_t DB = 64;  // keys per decode block
   // Prefetch distance in blocks: K and V rows this far ahead are asked for one per key. With
-  // none, one core streamed at ~70% of its rate for a plain sum; 1 and 2 measured the same.
+  // none, one Zen 5 core streamed at ~70% of its rate for a plain sum; 1 and 2 measured the same
+  // (on the Xeon, 4 the same as 2).
   static constexpr index_t PFD = 2;
 
   // Rows of a decode task: all Lq queries of the `group` heads that share one K/V.
@@ -935,9 +936,10 @@ struct Attention {
       Slots* cur = &ring[blk % (PFD + 1)];
       Slots* nxt = &ring[(blk + PFD) % (PFD + 1)];
       if (nb > 0) slots(pg, k1, nb, *nxt);
-      // s[x, j] = q_x . k_j. Streamed from memory, key rows are read one after the other and
-      // prefetched one row per key: this block's V (for pv_rows below), and K and V PFD blocks
-      // ahead, so that neither stream starts cold at a block boundary.
+      // s[x, j] = q_x . k_j. Streamed from memory (stream_keys, and grouped rows past the cached
+      // size), key rows are read one after the other and prefetched one row per key: this
+      // block's V (for pv_rows below), and K and V PFD blocks ahead, so that neither stream
+      // starts cold at a block boundary.
       // Over K/V that fit in cache, several keys at a time (kernels/x86_simd.h dot_keys: L for
       // one query row, L / 4 for grouped rows), with no software prefetch: from L2/L3 the
       // hardware's keeps up, and the prefetches cost more than they save (grouped rows, Hq4 Hkv1
@@ -946,10 +948,11 @@ struct Attention {
       // at a time measured 1.10-1.15x slower on one thread, H32 Lk4096 D128; L / 4 keys of
       // grouped rows 1.24-1.55x, Hkv8 Lk32768 D128; the cause was not found), but an int8
       // cache, bound by its conversions, takes the grouped rows L / 4 keys at a time (1.15x
-      // faster). On an Intel Xeon single rows ran 1.05-1.2x faster L keys at a time without
-      // prefetches (GPT-2 B4 c1024, H32 c8192), except through a block table (1.08x slower);
-      // its grouped rows kept the key-by-key loop (L / 4 keys without prefetches: 1.11-1.65x
-      // slower on 64-128 MiB caches).
+      // faster). On an Intel Xeon, single rows over contiguous K/V ran faster L keys at a time
+      // without prefetches (decode_prefetch_streams: GPT-2 B4 c1024 1.14x, H32 c8192 1.08x; with
+      // AVX2 1.25x and 0.99x), but 1.08x slower through a block table; its grouped rows kept the
+      // key-by-key loop (L / 4 keys without prefetches: 1.11-1.28x slower on 64-128 MiB
+      // contiguous caches, 1.65x paged).
       // The first and last branches look alike but stay apart: one branch for both (the same
       // arithmetic, bit for bit) made the streamed key-by-key loop between them 1.06-1.09x slower
       // (GPT-2 B4 c1024, three one-process A/Bs), this loop's known sensitivity to code layout.
