@@ -11,7 +11,7 @@ import pyattn.reference as ref
 
 
 def decode_cases():
-    """{name: (pyattn call, reference call)}; the data are drawn anew, from fixed seeds, per call."""
+    """{name: (pyattn call, reference call)} over data drawn from a fixed seed."""
     rng = np.random.default_rng(5)
     q = rng.standard_normal((1, 4, 1, 128), dtype=np.float32)
     # float32: 4 heads x 8200 keys x (128 + 128) x 4 B = 33.6 MB

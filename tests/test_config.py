@@ -253,19 +253,20 @@ def test_decode_prefetch_choice():
     prefetches, or several keys at a time without); show_config reports the choice, and both
     give the reference's result on every kernel set: float32 (with kv_lens), float16 and int8
     K/V, each past the 16 MiB the decode treats as cached, so that the choice applies."""
+    here = os.path.dirname(os.path.abspath(__file__))
     code = (
         "import io, json, sys, numpy as np, pyattn, pyattn._core as c\n"
         # tests/ by path: under PYTHONSAFEPATH (the wheel builds' tests) -c adds no directory
-        f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+        f"sys.path.insert(0, {here!r})\n"
         "from _decode_cases import decode_cases\n"
+        "cases = decode_cases()\n"
         "out = {}\n"
         "for isa in c.available_isas():\n"
         "    c.set_isa(isa)\n"
-        "    for name, (fn, _) in decode_cases().items():\n"
+        "    for name, (fn, _) in cases.items():\n"
         "        out[f'{isa} {name}'] = fn().tolist()\n"
         "print(json.dumps({'flag': pyattn.show_config(file=io.StringIO())['decode_prefetch'], 'out': out}))\n"
     )
-    here = os.path.dirname(os.path.abspath(__file__))
     base = {k: v for k, v in os.environ.items() if k != "PYATTN_DECODE_PREFETCH"}
     refs = {name: ref() for name, (_, ref) in decode_cases().items()}
     flags = {}
