@@ -944,7 +944,8 @@ struct Attention {
       // one query row, L / 4 for grouped rows), with no software prefetch: from L2/L3 the
       // hardware's keeps up, and the prefetches cost more than they save (grouped rows, Hq4 Hkv1
       // Lk4096 D128, one thread: 23.4 ns a key with them, 16.0 without).
-      // Streamed from memory, the key-by-key loop is faster for float rows on AMD cores (L keys
+      // Streamed from memory, the key-by-key loop is faster for float rows on the AMD cores timed
+      // (on Zen 3 single rows only within the L3: decode_prefetch_streams, frame/api.h) (L keys
       // at a time measured 1.10-1.15x slower on one thread, H32 Lk4096 D128; L / 4 keys of
       // grouped rows 1.24-1.55x, Hkv8 Lk32768 D128; the cause was not found), but an int8
       // cache, bound by its conversions, takes the grouped rows L / 4 keys at a time (1.15x
