@@ -124,13 +124,10 @@ bool set_active_isa(const char* name);  // false if unknown or unsupported by th
 std::string isa_reason();               // why the kernel set in use was chosen, in words
 int isa_supported(const char* name);
 // Whether the decode prefetches the K/V rows it streams, one row per key, when each key has one
-// query row (no GQA group) and the rows lie in one contiguous run (no block table). On Zen 5 that
-// key-by-key loop with prefetches was 1.10-1.15x faster than several keys per pass without them;
-// on an Intel Xeon the other loop was 1.04-1.16x faster with AVX-512 and up to 1.25x with AVX2
-// (one case even); on Zen 3 the other loop won from memory for float32 and int8 K/V (0.84-0.97
-// of the time; half K/V 0.98-1.02) and lost within the L3 (1.07; docs/performance.md). So: not
-// on Intel, yes on every other CPU (only AMD's measured); PYATTN_DECODE_PREFETCH=0 or 1 decides
-// instead.
+// query row (no GQA group) and the rows lie in one contiguous run (no block table). That loop
+// measured faster on Zen 5, the other (several keys a pass, no prefetches) on an Intel Xeon, and
+// on Zen 3 each won on part of the cases (docs/performance.md has the figures). So: not on Intel,
+// yes on every other CPU (only AMD's measured); PYATTN_DECODE_PREFETCH=0 or 1 decides instead.
 bool decode_prefetch_streams();
 int default_num_threads();
 int get_num_threads();

@@ -945,9 +945,9 @@ struct Attention {
       // hardware's keeps up, and the prefetches cost more than they save (grouped rows, Hq4 Hkv1
       // Lk4096 D128, one thread: 23.4 ns a key with them, 16.0 without).
       // Streamed from memory, the key-by-key loop is faster for float rows on the AMD cores timed
-      // (on Zen 3 single rows only within the L3: decode_prefetch_streams, frame/api.h) (L keys
-      // at a time measured 1.10-1.15x slower on one thread, H32 Lk4096 D128; L / 4 keys of
-      // grouped rows 1.24-1.55x, Hkv8 Lk32768 D128; the cause was not found), but an int8
+      // (L keys at a time measured 1.10-1.15x slower on one thread, H32 Lk4096 D128; L / 4 keys of
+      // grouped rows 1.24-1.55x, Hkv8 Lk32768 D128; the cause was not found; Zen 3's single rows:
+      // decode_prefetch_streams, frame/api.h), but an int8
       // cache, bound by its conversions, takes the grouped rows L / 4 keys at a time (1.15x
       // faster). On an Intel Xeon, single rows over contiguous K/V ran faster L keys at a time
       // without prefetches (decode_prefetch_streams: GPT-2 B4 c1024 1.14x, H32 c8192 1.08x; with
