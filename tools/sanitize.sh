@@ -47,7 +47,8 @@ fi
 
 # The AVX-512 kernel set only on a CPU that can run it (elsewhere its tests skip): with the
 # sanitizers its file took over half of the build's 35 CPU minutes on a 2-core Zen 3, alone on
-# one core for the last 13 of the 25 wall-clock minutes.
+# one core for the last 13 of the 25 wall-clock minutes. The flags are the ones dispatch.cpp's
+# cpu_has_avx512 asks for (the built core cannot be asked: it is what is being built).
 avx512=ON
 for f in avx512f avx512dq avx512bw avx512vl; do
   grep -qw "$f" /proc/cpuinfo 2>/dev/null || avx512=OFF

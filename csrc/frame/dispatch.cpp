@@ -27,16 +27,6 @@ namespace pyattn {
 namespace {
 
 #if defined(PYATTN_HAVE_X86)  // cpuid: only an x86 build asks (other targets have no such flags)
-// The AVX-512 set, or null in a build without it (CMake PYATTN_AVX512=OFF: tools/sanitize.sh on
-// a CPU that could not run it), which then treats it as a set the CPU lacks.
-const IsaTable* built_avx512() {
-#if defined(PYATTN_NO_AVX512)
-  return nullptr;
-#else
-  return &isa_avx512;
-#endif
-}
-
 bool cpu_has_avx2() {
 #if PYATTN_MSVC
   return portable::x86_has(false);
@@ -57,11 +47,15 @@ bool cpu_has_avx512() {
 }
 #endif
 
+// The kernel set of that name if this build has it and this CPU can run it, else null: the one
+// place that decides, for PYATTN_ISA, set_isa, available_isas and the default alike.
 const IsaTable* table_for(const char* name) {
   if (std::strcmp(name, "generic") == 0) return &isa_generic;
 #if defined(PYATTN_HAVE_X86)
   if (std::strcmp(name, "avx2") == 0) return cpu_has_avx2() ? &isa_avx2 : nullptr;
-  if (std::strcmp(name, "avx512") == 0) return cpu_has_avx512() ? built_avx512() : nullptr;
+#if !defined(PYATTN_NO_AVX512)  // CMake PYATTN_AVX512=OFF (tools/sanitize.sh on a CPU without it)
+  if (std::strcmp(name, "avx512") == 0) return cpu_has_avx512() ? &isa_avx512 : nullptr;
+#endif
 #endif
 #if defined(PYATTN_HAVE_NEON)
   if (std::strcmp(name, "neon") == 0) return &isa_neon;  // Advanced SIMD: every AArch64 CPU has it
@@ -88,11 +82,11 @@ const IsaTable* best_table() {
   const char* why;
   const IsaTable* t = &isa_generic;
 #if defined(PYATTN_HAVE_X86)
-  if (cpu_has_avx512() && built_avx512()) {
-    t = built_avx512();
+  if (const IsaTable* best = table_for("avx512")) {
+    t = best;
     why = "the CPU has AVX-512 F/DQ/BW/VL";
-  } else if (cpu_has_avx2()) {
-    t = &isa_avx2;
+  } else if (const IsaTable* next = table_for("avx2")) {
+    t = next;
     why = cpu_has_avx512() ? "the CPU has AVX-512, but this build has no AVX-512 kernels (PYATTN_AVX512=OFF)"
                            : "the CPU has AVX2 and FMA but not AVX-512 F/DQ/BW/VL";
   } else {
