@@ -311,11 +311,22 @@ static inline void gemm_ukernel_exp2(int mr, index_t k, const typename Ops::T* a
 }
 
 // ------------------------------------------------------------------ row kernels
+// The vector registers an Ops has (Ops::kRegs: AVX2's 16; 32 otherwise, AVX-512 and NEON): how
+// many accumulators a row kernel may hold before the compiler spills them to the stack.
+template <class O, class = void>
+struct VecRegs : std::integral_constant<int, 32> {};
+template <class O>
+struct VecRegs<O, std::void_t<decltype(O::kRegs)>> : std::integral_constant<int, int(O::kRegs)> {};
+
 template <class Ops>
 struct VecKernels {
   using T = typename Ops::T;
   using V = typename Ops::V;
   static constexpr int L = Ops::L;
+  // Accumulators of the P.V row kernels: half the registers, the rest for the V vectors (each
+  // loaded once for all rows) and the broadcast weight. With 16 at AVX2's 16 registers, five of
+  // them lived on the stack (a grouped decode's P.V ran 1.8x slower than AVX-512's on one Zen 4).
+  static constexpr int kPvAcc = VecRegs<Ops>::value / 2;
 
   //   x[i] = exp2(x[i] - sub[i]); sum[i] += x[i]
   static void exp2_sub_cols(T* x, const T* sub, T* sum, int n) {
@@ -588,13 +599,17 @@ struct VecKernels {
 
   //   acc[r, :w] += sum_j p[r*ps + j] * rows[j][d0 : d0+w] for RB rows: NV vectors of each V row are
   //   loaded once for all RB rows, and the RB x NV accumulators stay in registers over the kb rows.
-  template <int NV, int RB, class S>
+  //   PART: the last vector is partial (w < NV * L), read masked; whole vectors are read as
+  //   such (AVX2 has no masked 16-bit or 8-bit load: a partial half or int8 row costs far more).
+  template <int NV, int RB, bool PART, class S>
   static void pv_block(const T* p, index_t ps, index_t kb, const S* const* rows, index_t d0, int w, T* acc,
                        index_t ldacc) {
     const int nlast = w - (NV - 1) * L;
     const typename Ops::Mask last = Ops::mask(nlast);
-    auto ldt = [&](int i, const T* ptr) { return i < NV - 1 ? Ops::load(ptr) : Ops::maskload(last, ptr); };
-    auto ld = [&](int i, const S* ptr) { return i < NV - 1 ? load_as<Ops>(ptr) : load_as_n<Ops>(last, nlast, ptr); };
+    auto ldt = [&](int i, const T* ptr) { return !PART || i < NV - 1 ? Ops::load(ptr) : Ops::maskload(last, ptr); };
+    auto ld = [&](int i, const S* ptr) {
+      return !PART || i < NV - 1 ? load_as<Ops>(ptr) : load_as_n<Ops>(last, nlast, ptr);
+    };
     V a[RB][NV];
 #pragma GCC unroll 4
     for (int r = 0; r < RB; ++r)
@@ -616,43 +631,64 @@ struct VecKernels {
     for (int r = 0; r < RB; ++r) {
 #pragma GCC unroll 8
       for (int i = 0; i < NV - 1; ++i) Ops::store(acc + r * ldacc + i * L, a[r][i]);
-      Ops::maskstore(last, acc + r * ldacc + (NV - 1) * L, a[r][NV - 1]);
+      if constexpr (PART)
+        Ops::maskstore(last, acc + r * ldacc + (NV - 1) * L, a[r][NV - 1]);
+      else
+        Ops::store(acc + r * ldacc + (NV - 1) * L, a[r][NV - 1]);
     }
   }
+  template <int NV, int RB, class S>
+  static void pv_block(const T* p, index_t ps, index_t kb, const S* const* rows, index_t d0, int w, T* acc,
+                       index_t ldacc) {
+    if (w == NV * L)
+      pv_block<NV, RB, false, S>(p, ps, kb, rows, d0, w, acc, ldacc);
+    else
+      pv_block<NV, RB, true, S>(p, ps, kb, rows, d0, w, acc, ldacc);
+  }
 
-  // One column chunk of width w (at most CW = 16 / RB vectors) for RB rows.
+  // Vectors per column chunk for RB rows: RB x NV accumulators within kPvAcc, at most 8 vectors.
+  static constexpr int pv_width(int rb) { return kPvAcc / rb < 8 ? kPvAcc / rb : 8; }
+
+  // One column chunk of width w (at most pv_width(RB) vectors) for RB rows.
   template <int RB, class S>
   static void pv_chunk(const T* p, index_t ps, index_t kb, const S* const* rows, index_t d0, int w, T* acc,
                        index_t ldacc) {
+    constexpr int CW = pv_width(RB);
     switch ((w + L - 1) / L) {
       case 8:
-        if constexpr (RB <= 2) pv_block<8, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc);
+        if constexpr (CW >= 8) pv_block<8, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc);
         break;
       case 7:
-        if constexpr (RB <= 2) pv_block<7, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc);
+        if constexpr (CW >= 7) pv_block<7, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc);
         break;
       case 6:
-        if constexpr (RB <= 2) pv_block<6, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc);
+        if constexpr (CW >= 6) pv_block<6, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc);
         break;
       case 5:
-        if constexpr (RB <= 2) pv_block<5, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc);
+        if constexpr (CW >= 5) pv_block<5, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc);
         break;
-      case 4: pv_block<4, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc); break;
-      case 3: pv_block<3, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc); break;
-      case 2: pv_block<2, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc); break;
+      case 4:
+        if constexpr (CW >= 4) pv_block<4, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc);
+        break;
+      case 3:
+        if constexpr (CW >= 3) pv_block<3, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc);
+        break;
+      case 2:
+        if constexpr (CW >= 2) pv_block<2, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc);
+        break;
       default: pv_block<1, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc); break;
     }
   }
 
   //   acc[x, :] += sum_j p[x*ps + j] * rows[j][:] for x < R (rows: one pointer per V row, so a
   //   paged cache's rows are read where they lie: rows four (or two, one) at a
-  //   time, each V row chunk read once for all of them, in column chunks of 16 / RB vectors
-  //   (16 accumulators).
+  //   time, each V row chunk read once for all of them, in column chunks of pv_width(RB) vectors
+  //   (kPvAcc accumulators).
   template <class S>
   static void pv_rows(const T* p, index_t ps, index_t R, index_t kb, const S* const* rows, index_t Ev, T* acc) {
     for (index_t x = 0; x < R;) {
       const int rb = R - x >= 4 ? 4 : R - x >= 2 ? 2 : 1;
-      const index_t cw = (rb == 4 ? 4 : 8) * L;
+      const index_t cw = index_t(rb == 4 ? pv_width(4) : rb == 2 ? pv_width(2) : pv_width(1)) * L;
       for (index_t d0 = 0; d0 < Ev; d0 += cw) {
         const int w = int(Ev - d0 < cw ? Ev - d0 : cw);
         const T* px = p + x * ps;

@@ -59,6 +59,7 @@ struct OpsF32 {
   using V = __m256;
   using Mask = __m256i;
   static constexpr int L = 8;
+  static constexpr int kRegs = 16;  // ymm0-15
   // Lanes [0, n): maskload/maskstore touch no memory outside them.
   static Mask mask(int n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -86,23 +87,36 @@ struct OpsF32 {
   static T reduce_add(V v) { return hsum_ps(v); }
   //   lane i of the result = sum of a[i]'s lanes, i < 8: a tree of horizontal adds, then the two
   //   128-bit halves folded (9 instructions for 8 reductions, where hsum_ps takes 6 each)
-  static V sum_lanes(const V* a) {
+  PYATTN_ALWAYS_INLINE static V sum_lanes(const V* a) {
     const V t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
     const V t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
     const V u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // [a0..a3 | a0..a3] halves, a4..a7
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
   }
   static V exp2(V v) { return exp2_ps(v); }
-  // Half-precision rows: float16 by vcvtph2ps (F16C), bfloat16 by widening to the high half. AVX2
-  // has no 16-bit masked load: a partial row goes through a zeroed 8-lane copy.
+  // Half-precision rows: float16 by vcvtph2ps (F16C), bfloat16 by widening to the high half.
   static V load_f16(const f16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static V bf16_bits(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
   static V load_bf16(const bf16_t* p) { return bf16_bits(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  //   the n <= 16 bytes at p in the low bytes of a vector, zeros above, no byte past p + n read.
+  //   AVX2 masks only 32-bit lanes: whole ones by vpmaskmovd, the last 1-3 bytes one by one (a
+  //   memcpy into a zeroed buffer was a library call per row, the accumulators spilled around it).
+  static __m128i load_bytes_n(const void* p, int n) {
+    const int w = n / 4, t = n % 4;
+    const __m128i lane = _mm_setr_epi32(0, 1, 2, 3);
+    __m128i v = _mm_maskload_epi32(static_cast<const int*>(p), _mm_cmpgt_epi32(_mm_set1_epi32(w), lane));
+    if (t) {
+      const unsigned char* b = static_cast<const unsigned char*>(p) + 4 * w;
+      std::uint32_t x = b[0];
+      if (t > 1) x |= std::uint32_t(b[1]) << 8;
+      if (t > 2) x |= std::uint32_t(b[2]) << 16;
+      v = _mm_or_si128(v, _mm_and_si128(_mm_set1_epi32(int(x)), _mm_cmpeq_epi32(_mm_set1_epi32(w), lane)));
+    }
+    return v;
+  }
   template <class H>
   static __m128i load_half_n(int n, const H* p) {
-    alignas(16) std::uint16_t buf[8] = {};
-    std::memcpy(buf, p, std::size_t(n < 8 ? n : 8) * 2);
-    return _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
+    return load_bytes_n(p, 2 * (n < 8 ? n : 8));
   }
   static V load_f16_n(Mask, int n, const f16_t* p) { return _mm256_cvtph_ps(load_half_n(n, p)); }
   // int8 rows (a quantised cache; the caller applies the row's scale).
@@ -110,9 +124,7 @@ struct OpsF32 {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
   static V load_i8_n(Mask, int n, const std::int8_t* p) {
-    alignas(16) std::int8_t buf[16] = {};
-    std::memcpy(buf, p, std::size_t(n < 8 ? n : 8));
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(buf))));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load_bytes_n(p, n < 8 ? n : 8)));
   }
   static V load_bf16_n(Mask, int n, const bf16_t* p) { return bf16_bits(load_half_n(n, p)); }
 };
@@ -121,6 +133,7 @@ struct OpsF64 {
   using V = __m256d;
   using Mask = __m256i;
   static constexpr int L = 4;
+  static constexpr int kRegs = 16;
   static Mask mask(int n) { return _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), _mm256_setr_epi64x(0, 1, 2, 3)); }
   static V load(const T* p) { return _mm256_loadu_pd(p); }
   static V maskload(Mask m, const T* p) { return _mm256_maskload_pd(p, m); }
