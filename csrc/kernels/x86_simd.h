@@ -617,6 +617,15 @@ struct VecKernels {
       for (int i = 0; i < NV; ++i) a[r][i] = ldt(i, acc + r * ldacc + i * L);
     for (index_t j = 0; j < kb; ++j) {
       const S* vr = rows[j] + d0;
+      if constexpr (RB == 1) {
+        // each V vector straight into its FMA: with all NV loaded first, AVX2's 16 registers held
+        // 8 accumulators, 8 converted vectors and the weight, and one accumulator went to the
+        // stack (a store-to-load chain through every key of an int8 row: 1.3x AVX-512's time)
+        const V pj = Ops::set1(p[j]);
+#pragma GCC unroll 8
+        for (int i = 0; i < NV; ++i) a[0][i] = Ops::fma(pj, ld(i, vr + i * L), a[0][i]);
+        continue;
+      }
       V vv[NV];
 #pragma GCC unroll 8
       for (int i = 0; i < NV; ++i) vv[i] = ld(i, vr + i * L);
