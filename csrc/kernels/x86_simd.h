@@ -658,35 +658,14 @@ struct VecKernels {
   // Vectors per column chunk for RB rows: RB x NV accumulators within kPvAcc, at most 8 vectors.
   static constexpr int pv_width(int rb) { return kPvAcc / rb < 8 ? kPvAcc / rb : 8; }
 
-  // One column chunk of width w (at most pv_width(RB) vectors) for RB rows.
-  template <int RB, class S>
-  static void pv_chunk(const T* p, index_t ps, index_t kb, const S* const* rows, index_t d0, int w, T* acc,
+  // One column chunk of width w (nv = ceil(w / L) vectors, at most NV) for RB rows: the pv_block
+  // instance for nv, counted down from NV at compile time.
+  template <int NV, int RB, class S>
+  static void pv_chunk(int nv, const T* p, index_t ps, index_t kb, const S* const* rows, index_t d0, int w, T* acc,
                        index_t ldacc) {
-    constexpr int CW = pv_width(RB);
-    switch ((w + L - 1) / L) {
-      case 8:
-        if constexpr (CW >= 8) pv_block<8, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc);
-        break;
-      case 7:
-        if constexpr (CW >= 7) pv_block<7, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc);
-        break;
-      case 6:
-        if constexpr (CW >= 6) pv_block<6, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc);
-        break;
-      case 5:
-        if constexpr (CW >= 5) pv_block<5, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc);
-        break;
-      case 4:
-        if constexpr (CW >= 4) pv_block<4, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc);
-        break;
-      case 3:
-        if constexpr (CW >= 3) pv_block<3, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc);
-        break;
-      case 2:
-        if constexpr (CW >= 2) pv_block<2, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc);
-        break;
-      default: pv_block<1, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc); break;
-    }
+    if constexpr (NV > 1)
+      if (nv < NV) return pv_chunk<NV - 1, RB, S>(nv, p, ps, kb, rows, d0, w, acc, ldacc);
+    pv_block<NV, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc);
   }
 
   //   acc[x, :] += sum_j p[x*ps + j] * rows[j][:] for x < R (rows: one pointer per V row, so a
@@ -702,12 +681,13 @@ struct VecKernels {
         const int w = int(Ev - d0 < cw ? Ev - d0 : cw);
         const T* px = p + x * ps;
         T* ax = acc + x * Ev + d0;
+        const int nv = (w + L - 1) / L;
         if (rb == 4)
-          pv_chunk<4, S>(px, ps, kb, rows, d0, w, ax, Ev);
+          pv_chunk<pv_width(4), 4, S>(nv, px, ps, kb, rows, d0, w, ax, Ev);
         else if (rb == 2)
-          pv_chunk<2, S>(px, ps, kb, rows, d0, w, ax, Ev);
+          pv_chunk<pv_width(2), 2, S>(nv, px, ps, kb, rows, d0, w, ax, Ev);
         else
-          pv_chunk<1, S>(px, ps, kb, rows, d0, w, ax, Ev);
+          pv_chunk<pv_width(1), 1, S>(nv, px, ps, kb, rows, d0, w, ax, Ev);
       }
       x += rb;
     }
