@@ -624,16 +624,16 @@ struct VecKernels {
         const V pj = Ops::set1(p[j]);
 #pragma GCC unroll 8
         for (int i = 0; i < NV; ++i) a[0][i] = Ops::fma(pj, ld(i, vr + i * L), a[0][i]);
-        continue;
-      }
-      V vv[NV];
+      } else {
+        V vv[NV];
 #pragma GCC unroll 8
-      for (int i = 0; i < NV; ++i) vv[i] = ld(i, vr + i * L);
+        for (int i = 0; i < NV; ++i) vv[i] = ld(i, vr + i * L);
 #pragma GCC unroll 4
-      for (int r = 0; r < RB; ++r) {
-        const V pj = Ops::set1(p[r * ps + j]);
+        for (int r = 0; r < RB; ++r) {
+          const V pj = Ops::set1(p[r * ps + j]);
 #pragma GCC unroll 8
-        for (int i = 0; i < NV; ++i) a[r][i] = Ops::fma(pj, vv[i], a[r][i]);
+          for (int i = 0; i < NV; ++i) a[r][i] = Ops::fma(pj, vv[i], a[r][i]);
+        }
       }
     }
 #pragma GCC unroll 4
@@ -646,26 +646,21 @@ struct VecKernels {
         Ops::store(acc + r * ldacc + (NV - 1) * L, a[r][NV - 1]);
     }
   }
-  template <int NV, int RB, class S>
-  static void pv_block(const T* p, index_t ps, index_t kb, const S* const* rows, index_t d0, int w, T* acc,
-                       index_t ldacc) {
-    if (w == NV * L)
-      pv_block<NV, RB, false, S>(p, ps, kb, rows, d0, w, acc, ldacc);
-    else
-      pv_block<NV, RB, true, S>(p, ps, kb, rows, d0, w, acc, ldacc);
-  }
 
   // Vectors per column chunk for RB rows: RB x NV accumulators within kPvAcc, at most 8 vectors.
   static constexpr int pv_width(int rb) { return kPvAcc / rb < 8 ? kPvAcc / rb : 8; }
 
   // One column chunk of width w (nv = ceil(w / L) vectors, at most NV) for RB rows: the pv_block
-  // instance for nv, counted down from NV at compile time.
+  // instance for nv, counted down from NV at compile time, partial only when w is.
   template <int NV, int RB, class S>
   static void pv_chunk(int nv, const T* p, index_t ps, index_t kb, const S* const* rows, index_t d0, int w, T* acc,
                        index_t ldacc) {
     if constexpr (NV > 1)
       if (nv < NV) return pv_chunk<NV - 1, RB, S>(nv, p, ps, kb, rows, d0, w, acc, ldacc);
-    pv_block<NV, RB, S>(p, ps, kb, rows, d0, w, acc, ldacc);
+    if (w == NV * L)
+      pv_block<NV, RB, false, S>(p, ps, kb, rows, d0, w, acc, ldacc);
+    else
+      pv_block<NV, RB, true, S>(p, ps, kb, rows, d0, w, acc, ldacc);
   }
 
   //   acc[x, :] += sum_j p[x*ps + j] * rows[j][:] for x < R (rows: one pointer per V row, so a
@@ -676,7 +671,7 @@ struct VecKernels {
   static void pv_rows(const T* p, index_t ps, index_t R, index_t kb, const S* const* rows, index_t Ev, T* acc) {
     for (index_t x = 0; x < R;) {
       const int rb = R - x >= 4 ? 4 : R - x >= 2 ? 2 : 1;
-      const index_t cw = index_t(rb == 4 ? pv_width(4) : rb == 2 ? pv_width(2) : pv_width(1)) * L;
+      const index_t cw = index_t(pv_width(rb)) * L;
       for (index_t d0 = 0; d0 < Ev; d0 += cw) {
         const int w = int(Ev - d0 < cw ? Ev - d0 : cw);
         const T* px = p + x * ps;
