@@ -514,9 +514,9 @@ struct VecKernels {
   template <int RB, int KB, class S>
   static void dot_group(const T* q, index_t qs, const S* const* rows, index_t n, T* s, index_t ss) {
     static_assert(RB * KB <= L, "one lane per pair");
-    V acc[L];
+    V acc[RB * KB];
 #pragma GCC unroll 16
-    for (int i = 0; i < L; ++i) acc[i] = Ops::zero();  // the lanes past RB * KB stay zero
+    for (int i = 0; i < RB * KB; ++i) acc[i] = Ops::zero();
     index_t e = 0;
     for (; e + L <= n; e += L) {
       V qv[RB];
@@ -542,8 +542,13 @@ struct VecKernels {
         for (int r = 0; r < RB; ++r) acc[r * KB + j] = Ops::fma(qv[r], kv, acc[r * KB + j]);
       }
     }
+    // Copied out for sum_lanes (out of line on AVX-512): with acc itself passed, GCC kept all
+    // of acc on the stack, zeroed there and reloaded every call (grouped decode 1.04-1.07x slower).
+    V all[L];  // the lanes past RB * KB zero
+#pragma GCC unroll 16
+    for (int i = 0; i < L; ++i) all[i] = i < RB * KB ? acc[i] : Ops::zero();
     T sum[L];
-    Ops::store(sum, Ops::sum_lanes(acc));
+    Ops::store(sum, Ops::sum_lanes(all));
 #pragma GCC unroll 4
     for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 16
