@@ -456,3 +456,48 @@ def test_inputs_changed_by_another_thread_mid_call():
     kernel read out of bounds (a crash, 3 runs of 3). What is checked is now what is read."""
     r = subprocess.run([sys.executable, "-c", _TABLE_RACE], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "ok" in r.stdout, f"exit {r.returncode}\n{r.stderr[-2000:]}"
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("group", [1, 4])  # single decode rows, grouped rows
+def test_int8_scales_are_read_through_their_strides(isa, paged, group, rng):
+    """Scales that are a strided view (every third float of a wider array) give the same bits as
+    contiguous copies of them, written and read: the decode reads a block's scales by stepping
+    through a contiguous cache, and through the block table of a paged one."""
+    B, hkv, E, L, bs = 2, 2, 24, 256, 16
+    lens = np.array([150, 197])  # past several 64-key decode blocks, ending mid-block
+    q = rn(rng, (B, hkv * group, 1, E))
+    kn, vn = rn(rng, (B, hkv, 1, E)), rn(rng, (B, hkv, 1, E))
+    shape, table = (B, hkv, L), None
+    kc = rng.integers(-127, 128, (B, hkv, L, E)).astype(np.int8)
+    vc = rng.integers(-127, 128, (B, hkv, L, E)).astype(np.int8)
+    ks = rng.uniform(0.001, 0.02, shape).astype(np.float32)
+    vs = rng.uniform(0.001, 0.02, shape).astype(np.float32)
+    if paged:  # the same tokens in a pool of blocks, in shuffled order
+        nb = L // bs
+        table = rng.permutation(B * nb).astype(np.int32).reshape(B, nb)
+
+        def pool(x):
+            blocks = x.reshape(B, hkv, nb, bs, *x.shape[3:]).swapaxes(1, 2).reshape(B * nb, hkv, bs, *x.shape[3:])
+            out = np.empty_like(blocks)
+            out[table.reshape(-1)] = blocks
+            return out
+
+        kc, vc, ks, vs = pool(kc), pool(vc), pool(ks), pool(vs)
+    outs, written = [], []
+    for strided in (False, True):
+        k, v = kc.copy(), vc.copy()
+        sk, sv = ks.copy(), vs.copy()
+        if strided:
+            wide_k, wide_v = np.zeros((*sk.shape, 3), np.float32), np.zeros((*sv.shape, 3), np.float32)
+            wide_k[..., 1], wide_v[..., 1] = sk, sv
+            sk, sv = wide_k[..., 1], wide_v[..., 1]
+            assert sk.strides[-1] == 12
+        outs.append(
+            pyattn.kvcache_attention(q, k, v, lens, k_new=kn, v_new=vn, k_scale=sk, v_scale=sv, block_table=table)
+        )
+        written.append((k, v, np.array(sk), np.array(sv)))
+    np.testing.assert_array_equal(outs[1], outs[0])
+    for a, b in zip(written[1], written[0]):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(written[0][2], ks)  # the new tokens' scales were written

@@ -926,8 +926,6 @@ struct Attention {
     // int8: the scales of key j, addressed through the same slots as its row
     const float* ks0 = kInt8 ? a.k_scale + a.ksoff[pg.bh] : nullptr;
     const float* vs0 = kInt8 ? a.v_scale + a.vsoff[pg.bh] : nullptr;
-    auto kscale = [&](const Slots& s, index_t j) { return T(ks0[s.page[j] * a.ks_ps + s.slot[j] * a.ks_rs]); };
-    auto vscale = [&](const Slots& s, index_t j) { return T(vs0[s.page[j] * a.vs_ps + s.slot[j] * a.vs_rs]); };
     // Each row's problem (its head's ALiBi slope, its alignment), made once for the chunk.
     Problem rp[16];  // R = group * Lq <= 16 on this path (use_decode)
     for (index_t x = 0; x < r.R; ++x) rp[x] = problem(h0 + x / Lq);
@@ -961,8 +959,7 @@ struct Attention {
         const KV* krows[DB];
         rows_at(kb0, a.k_rs, a.k_ps, *cur, k0, kb, krows);
         K::dot_keys(r.q, E, index_t(1), krows, kb, E, r.s, DB);
-        if constexpr (kInt8)
-          for (index_t j = 0; j < kb; ++j) ks[j] = kscale(*cur, j);
+        if constexpr (kInt8) scales_at(ks0, a.ks_rs, a.ks_ps, *cur, k0, kb, ks);
       } else if (r.R == 1 || !(cached || kInt8)) {
         for (index_t j = 0; j < kb; ++j) {
           prefetch_rows(vrow(*cur, j), a.v_rs, 1, Ev);
@@ -971,8 +968,8 @@ struct Attention {
             prefetch_rows(vrow(*nxt, j), a.v_rs, 1, Ev);
           }
           K::dot_rows(r.q, E, r.R, krow(*cur, j), E, r.s + j, DB);
-          if constexpr (kInt8) ks[j] = kscale(*cur, j);
         }
+        if constexpr (kInt8) scales_at(ks0, a.ks_rs, a.ks_ps, *cur, k0, kb, ks);
       } else {
         const KV* krows[DB];
         rows_at(kb0, a.k_rs, a.k_ps, *cur, k0, kb, krows);
@@ -987,10 +984,10 @@ struct Attention {
                 prefetch_rows(vrow(*nxt, j), a.v_rs, 1, Ev);
               }
             }
-            if constexpr (kInt8) ks[j] = kscale(*cur, j);
           }
           K::dot_keys(r.q, E, r.R, krows + jg, n, E, r.s + jg, DB);
         }
+        if constexpr (kInt8) scales_at(ks0, a.ks_rs, a.ks_ps, *cur, k0, kb, ks);
       }
       for (index_t x = 0; x < r.R; ++x) {
         const Problem& p = rp[x];
@@ -1012,7 +1009,7 @@ struct Attention {
         }
       }
       if constexpr (kInt8) {  // sum_j p_j (scale_j v_j): the value scales join P, once l is taken
-        for (index_t j = 0; j < kb; ++j) ks[j] = vscale(*cur, j);
+        scales_at(vs0, a.vs_rs, a.vs_ps, *cur, k0, kb, ks);
         for (index_t x = 0; x < r.R; ++x)
           for (index_t j = 0; j < kb; ++j) r.s[x * DB + j] *= ks[j];
       }
@@ -1075,6 +1072,20 @@ struct Attention {
       return;
     }
     for (index_t j = 0; j < n; ++j) rows[j] = b0 + s.page[j] * ps + s.slot[j] * rs;
+  }
+
+  //   out[j] = the int8 scale of key k0 + j for j < n (scales from s0, rs and ps apart), stepped
+  //   through a contiguous cache (a copy where rs is 1) rather than indexed from its slots
+  void scales_at(const float* s0, index_t rs, index_t ps, const Slots& s, index_t k0, index_t n, T* out) const {
+    if (!a.block_table) {
+      const float* x = s0 + k0 * rs;
+      if (rs == 1)
+        for (index_t j = 0; j < n; ++j) out[j] = T(x[j]);
+      else
+        for (index_t j = 0; j < n; ++j) out[j] = T(x[j * rs]);
+      return;
+    }
+    for (index_t j = 0; j < n; ++j) out[j] = T(s0[s.page[j] * ps + s.slot[j] * rs]);
   }
 
   void finish_row(index_t g, index_t x, const T* acc, T m, T l) const {

@@ -477,8 +477,9 @@ struct VecKernels {
   // Whether Ops can reduce L vectors to one vector of their sums at once (Ops::sum_lanes).
   template <class O, class = void>
   struct HasSumLanes : std::false_type {};
+  // (sizeof: a vector type as a template argument drops its attributes, -Wignored-attributes)
   template <class O>
-  struct HasSumLanes<O, std::void_t<decltype(O::sum_lanes(static_cast<const typename O::V*>(nullptr)))>>
+  struct HasSumLanes<O, std::void_t<decltype(sizeof(O::sum_lanes(static_cast<const typename O::V*>(nullptr))))>>
       : std::true_type {};
 
   //   s[j] = q . rows[j] for j < L (one query row): each key row read in order, into an

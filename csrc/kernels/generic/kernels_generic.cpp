@@ -19,8 +19,10 @@ inline void gemm_ukernel_ref(int mr, index_t k, const T* a, index_t rsa, index_t
       for (int j = 0; j < NR; ++j) acc[r][j] += av * bp[j];
     }
   }
-  for (int r = 0; r < mr; ++r)
-    for (int j = 0; j < nr; ++j) c[r * ldc + j] = accumulate ? c[r * ldc + j] + acc[r][j] : acc[r][j];
+  // mr <= MR and nr <= NR always; clamped so that GCC can see it (else -Warray-bounds on acc)
+  const int m = mr < MR ? mr : MR, n = nr < NR ? nr : NR;
+  for (int r = 0; r < m; ++r)
+    for (int j = 0; j < n; ++j) c[r * ldc + j] = accumulate ? c[r * ldc + j] + acc[r][j] : acc[r][j];
 }
 
 template <class T>
