@@ -959,7 +959,6 @@ struct Attention {
         const KV* krows[DB];
         rows_at(kb0, a.k_rs, a.k_ps, *cur, k0, kb, krows);
         K::dot_keys(r.q, E, index_t(1), krows, kb, E, r.s, DB);
-        if constexpr (kInt8) scales_at(ks0, a.ks_rs, a.ks_ps, *cur, k0, kb, ks);
       } else if (r.R == 1 || !(cached || kInt8)) {
         for (index_t j = 0; j < kb; ++j) {
           prefetch_rows(vrow(*cur, j), a.v_rs, 1, Ev);
@@ -969,7 +968,6 @@ struct Attention {
           }
           K::dot_rows(r.q, E, r.R, krow(*cur, j), E, r.s + j, DB);
         }
-        if constexpr (kInt8) scales_at(ks0, a.ks_rs, a.ks_ps, *cur, k0, kb, ks);
       } else {
         const KV* krows[DB];
         rows_at(kb0, a.k_rs, a.k_ps, *cur, k0, kb, krows);
@@ -987,8 +985,8 @@ struct Attention {
           }
           K::dot_keys(r.q, E, r.R, krows + jg, n, E, r.s + jg, DB);
         }
-        if constexpr (kInt8) scales_at(ks0, a.ks_rs, a.ks_ps, *cur, k0, kb, ks);
       }
+      if constexpr (kInt8) scales_at(ks0, a.ks_rs, a.ks_ps, *cur, k0, kb, ks);
       for (index_t x = 0; x < r.R; ++x) {
         const Problem& p = rp[x];
         const index_t qi = x % Lq;
@@ -1075,14 +1073,11 @@ struct Attention {
   }
 
   //   out[j] = the int8 scale of key k0 + j for j < n (scales from s0, rs and ps apart), stepped
-  //   through a contiguous cache (a copy where rs is 1) rather than indexed from its slots
+  //   through a contiguous cache rather than indexed from its slots
   void scales_at(const float* s0, index_t rs, index_t ps, const Slots& s, index_t k0, index_t n, T* out) const {
-    if (!a.block_table) {
+    if (!a.block_table) {  // (GCC versions this loop for rs == 1: a plain copy)
       const float* x = s0 + k0 * rs;
-      if (rs == 1)
-        for (index_t j = 0; j < n; ++j) out[j] = T(x[j]);
-      else
-        for (index_t j = 0; j < n; ++j) out[j] = T(x[j * rs]);
+      for (index_t j = 0; j < n; ++j) out[j] = T(x[j * rs]);
       return;
     }
     for (index_t j = 0; j < n; ++j) out[j] = T(s0[s.page[j] * ps + s.slot[j] * rs]);
