@@ -978,6 +978,33 @@ def test_sdpa_out_sharing_memory_with_sinks_or_slopes(rng):
         np.testing.assert_allclose(got[0], want[0], rtol=1e-14)
 
 
+@pytest.mark.parametrize("alibi", [False, True], ids=["cap", "cap_alibi"])
+def test_sdpa_softcap_fit_and_wide_tiles(alibi, isa, rng):
+    """float32 prefill under a cap: the fused score tiles take tanh's small-argument fit for a
+    vector whose scores all lie below cap / 4 and the general tanh for one that does not. Scores
+    s[i, j] = a[i] + a little noise (key feature 0 is 1, scale 1), so that each query's scores sit
+    close to its running max and stay in the fused tiles: most queries at |s| < cap / 10, a few
+    (scattered over the tiles) at 0.3-0.9 cap, past the fit's range; one query is NaN (it stays
+    NaN, the queries beside it stay right). Against the float64 reference on the same inputs.
+    With the range test removed (the fit for every vector) this fails on every kernel set."""
+    B, H, Lq, Lk, E = 1, 2, 203, 300, 16
+    cap = 40.0
+    q = (0.05 * rng.normal(0, 1, (B, H, Lq, E))).astype(np.float32)
+    k = (0.05 * rng.normal(0, 1, (B, H, Lk, E))).astype(np.float32)
+    v = rng.normal(0, 1, (B, H, Lk, E)).astype(np.float32)
+    k[..., 0] = 1.0
+    q[..., 0] = rng.uniform(-0.1, 0.1, (B, H, Lq)) * cap
+    wide = [7, 50, 51, 130, 170, 202]
+    q[:, :, wide, 0] = rng.uniform(0.3, 0.9, (B, H, len(wide))) * cap * rng.choice([-1, 1], (B, H, len(wide)))
+    q[:, 1, 90] = np.nan
+    kw = dict(softcap=cap, scale=1.0, alibi_slopes=np.array([0.05, 0.01]) if alibi else None)
+    got = sdpa(q, k, v, **kw)
+    want = reference.scaled_dot_product_attention(*(a.astype(np.float64) for a in (q, k, v)), **kw)
+    assert np.isnan(got[0, 1, 90]).all() and np.isnan(want[0, 1, 90]).all()
+    got[0, 1, 90] = want[0, 1, 90] = 0.0
+    assert_close(got, want, np.float32, tol=VTOL[F32])
+
+
 @dtype_param
 @pytest.mark.parametrize("lq", [1, 4096], ids=["decode", "prefill"])
 def test_sdpa_softcap_tanh_ulps(lq, dtype, isa):
