@@ -501,3 +501,50 @@ def test_int8_scales_are_read_through_their_strides(isa, paged, group, rng):
     for a, b in zip(written[1], written[0]):
         np.testing.assert_array_equal(a, b)
     assert not np.array_equal(written[0][2], ks)  # the new tokens' scales were written
+
+
+@pytest.mark.parametrize("cdt", ["float32", "float16", "int8"])
+@pytest.mark.parametrize(
+    "B, hkv, group, lens",
+    [
+        (2, 8, 4, [700, 431]),  # 16 groups: tasks of several heads of one sequence
+        (4, 1, 4, [900, 333, 900, 64]),  # one head per sequence: a task's heads span sequences
+        (3, 2, 1, [517, 517, 80]),  # single rows
+    ],
+    ids=["hkv8", "hkv1", "hkv2_single"],
+)
+def test_paged_decode_reads_several_heads_per_task(isa, cdt, B, hkv, group, lens, rng):
+    """Through a block table the decode reads a block's heads together (a task takes several
+    groups over the same keys; groups whose keys differ, as sequences of other lengths, are run
+    one after the other). Results: the same bits as the contiguous cache, for 1, 2 and 3
+    threads (the groups a task takes follow the thread count)."""
+    E, L, bs = 32, 1024, 16
+    q = rn(rng, (B, hkv * group, 1, E))
+    lens = np.array(lens)
+    if cdt == "int8":
+        kc = rng.integers(-127, 128, (B, hkv, L, E)).astype(np.int8)
+        vc = rng.integers(-127, 128, (B, hkv, L, E)).astype(np.int8)
+        scales = [rng.uniform(0.001, 0.02, (B, hkv, L)).astype(np.float32) for _ in range(2)]
+    else:
+        kc, vc = rn(rng, (B, hkv, L, E)).astype(cdt), rn(rng, (B, hkv, L, E)).astype(cdt)
+        scales = [None, None]
+    nb = L // bs
+    table = rng.permutation(B * nb).astype(np.int32).reshape(B, nb)
+
+    def pool(x):
+        blocks = x.reshape(B, hkv, nb, bs, *x.shape[3:]).swapaxes(1, 2).reshape(B * nb, hkv, bs, *x.shape[3:])
+        out = np.empty_like(blocks)
+        out[table.reshape(-1)] = blocks
+        return out
+
+    want = pyattn.kvcache_attention(q, kc, vc, lens, k_scale=scales[0], v_scale=scales[1])
+    pk, pv = pool(kc), pool(vc)
+    ps = [None if x is None else pool(x) for x in scales]
+    before = pyattn.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            pyattn.set_num_threads(threads)
+            got = pyattn.kvcache_attention(q, pk, pv, lens, block_table=table, k_scale=ps[0], v_scale=ps[1])
+            np.testing.assert_array_equal(got, want, err_msg=f"{threads} threads")
+    finally:
+        pyattn.set_num_threads(before)

@@ -893,149 +893,6 @@ struct Attention {
       K::template mod_span<false, true>(s, kb, p.md, base, T(-1));
   }
 
-  // Runs keys [j0, j1) of head group g; leaves unnormalised acc, running max m (log2 units)
-  // and sum l per row.
-  PYATTN_PHASE void decode_chunk(index_t g, index_t j0, index_t j1, Rows& r) const {
-    const index_t Lq = a.Lq, E = a.E, Ev = a.Ev;
-    const index_t h0 = g * a.group;
-    for (index_t x = 0; x < r.R; ++x) {
-      const T* qsrc = query + a.qoff[h0 + x / Lq] + (x % Lq) * a.q_rs;
-      T* qd = r.q + x * E;
-      for (index_t e = 0; e < E; ++e) qd[e] = qsrc[e] * s2;
-      r.m[x] = -kInf;
-      r.l[x] = T(0);
-      for (index_t d = 0; d < Ev; ++d) r.acc[x * Ev + d] = T(0);
-    }
-    const Problem pg = problem(h0);  // the group's K/V
-    // Whether the call's K/V (all groups, all keys) fit in half a typical L3.
-    const bool cached = double(a.bh / a.group) * double(a.Lk) * double(E + Ev) * double(sizeof(KV)) <= 16.0 * (1 << 20);
-    // Single rows streamed from memory: prefetched key by key, or (contiguous K/V on CPUs where
-    // that measured slower, decode_prefetch_streams) several keys at a time with none.
-    const bool stream_keys = !cached && (a.block_table != nullptr || decode_prefetch_streams());
-    T ks[DB];  // int8: this block's key scales, then its value scales
-    // Where this block's keys (cur) and those PFD blocks ahead (nxt) lie: row j is row
-    // slot[j] of page page[j] (page 0, slot = key for a contiguous cache), stepped through the
-    // pages once per block rather than divided out per row.
-    Slots ring[PFD + 1];  // block i's slots at ring[i % (PFD + 1)]
-    for (index_t i = 0; i < PFD && j0 + i * DB < j1; ++i)
-      slots(pg, j0 + i * DB, min_of<index_t>(DB, j1 - j0 - i * DB), ring[i]);
-    const KV* kb0 = key + a.koff[pg.bh];
-    const KV* vb0 = value + a.voff[pg.bh];
-    auto krow = [&](const Slots& s, index_t j) { return kb0 + s.page[j] * a.k_ps + s.slot[j] * a.k_rs; };
-    auto vrow = [&](const Slots& s, index_t j) { return vb0 + s.page[j] * a.v_ps + s.slot[j] * a.v_rs; };
-    // int8: the scales of key j, addressed through the same slots as its row
-    const float* ks0 = kInt8 ? a.k_scale + a.ksoff[pg.bh] : nullptr;
-    const float* vs0 = kInt8 ? a.v_scale + a.vsoff[pg.bh] : nullptr;
-    // Each row's problem (its head's ALiBi slope, its alignment), made once for the chunk.
-    Problem rp[16];  // R = group * Lq <= 16 on this path (use_decode)
-    for (index_t x = 0; x < r.R; ++x) rp[x] = problem(h0 + x / Lq);
-    for (index_t k0 = j0, blk = 0; k0 < j1; k0 += DB, ++blk) {
-      const index_t kb = min_of<index_t>(DB, j1 - k0), k1 = k0 + PFD * DB, nb = min_of<index_t>(DB, j1 - k1);
-      Slots* cur = &ring[blk % (PFD + 1)];
-      Slots* nxt = &ring[(blk + PFD) % (PFD + 1)];
-      if (nb > 0) slots(pg, k1, nb, *nxt);
-      // s[x, j] = q_x . k_j. Streamed from memory (stream_keys, and grouped rows past the cached
-      // size), key rows are read one after the other and prefetched one row per key: this
-      // block's V (for pv_rows below), and K and V PFD blocks ahead, so that neither stream
-      // starts cold at a block boundary.
-      // Over K/V that fit in cache, several keys at a time (kernels/x86_simd.h dot_keys: L for
-      // one query row, L / 4 for grouped rows), with no software prefetch: from L2/L3 the
-      // hardware's keeps up, and the prefetches cost more than they save (grouped rows, Hq4 Hkv1
-      // Lk4096 D128, one thread: 23.4 ns a key with them, 16.0 without).
-      // Streamed from memory, the key-by-key loop is faster for float rows on the AMD cores timed
-      // (L keys at a time measured 1.10-1.15x slower on one thread, H32 Lk4096 D128; L / 4 keys of
-      // grouped rows 1.24-1.55x, Hkv8 Lk32768 D128; the cause was not found; Zen 3's single rows:
-      // decode_prefetch_streams, frame/api.h), but an int8
-      // cache, bound by its conversions, takes the grouped rows L / 4 keys at a time (1.15x
-      // faster). On an Intel Xeon, single rows over contiguous K/V ran faster L keys at a time
-      // without prefetches (decode_prefetch_streams: GPT-2 B4 c1024 1.14x, H32 c8192 1.08x; with
-      // AVX2 1.25x and 0.99x), but 1.08x slower through a block table; its grouped rows kept the
-      // key-by-key loop (L / 4 keys without prefetches: 1.11-1.28x slower on 64-128 MiB
-      // contiguous caches, 1.65x paged).
-      // The first and last branches look alike but stay apart: one branch for both (the same
-      // arithmetic, bit for bit) made the streamed key-by-key loop between them 1.06-1.09x slower
-      // (GPT-2 B4 c1024, three one-process A/Bs), this loop's known sensitivity to code layout.
-      if (r.R == 1 && !stream_keys) {
-        const KV* krows[DB];
-        rows_at(kb0, a.k_rs, a.k_ps, *cur, k0, kb, krows);
-        K::dot_keys(r.q, E, index_t(1), krows, kb, E, r.s, DB);
-      } else if (r.R == 1 || !(cached || kInt8)) {
-        for (index_t j = 0; j < kb; ++j) {
-          prefetch_rows(vrow(*cur, j), a.v_rs, 1, Ev);
-          if (j < nb) {
-            prefetch_rows(krow(*nxt, j), a.k_rs, 1, E);
-            prefetch_rows(vrow(*nxt, j), a.v_rs, 1, Ev);
-          }
-          K::dot_rows(r.q, E, r.R, krow(*cur, j), E, r.s + j, DB);
-        }
-      } else {
-        const KV* krows[DB];
-        rows_at(kb0, a.k_rs, a.k_ps, *cur, k0, kb, krows);
-        constexpr index_t KG = 16;  // keys per dot_keys call, their prefetches just before it
-        for (index_t jg = 0; jg < kb; jg += KG) {
-          const index_t n = min_of<index_t>(KG, kb - jg);
-          for (index_t j = jg; j < jg + n; ++j) {
-            if (!cached) {
-              prefetch_rows(vrow(*cur, j), a.v_rs, 1, Ev);
-              if (j < nb) {
-                prefetch_rows(krow(*nxt, j), a.k_rs, 1, E);
-                prefetch_rows(vrow(*nxt, j), a.v_rs, 1, Ev);
-              }
-            }
-          }
-          K::dot_keys(r.q, E, r.R, krows + jg, n, E, r.s + jg, DB);
-        }
-      }
-      if constexpr (kInt8) scales_at(ks0, a.ks_rs, a.ks_ps, *cur, k0, kb, ks);
-      for (index_t x = 0; x < r.R; ++x) {
-        const Problem& p = rp[x];
-        const index_t qi = x % Lq;
-        T* s = r.s + x * DB;
-        if constexpr (kInt8)  // q . (scale k) = scale (q . k)
-          for (index_t j = 0; j < kb; ++j) s[j] *= ks[j];
-        mod_keys(p, qi, k0, kb, s);
-        mask_row(p, qi, k0, kb, s, 1);
-        const T mx = K::max_row(s, kb, r.m[x]);
-        const T sub = mx == -kInf ? T(0) : mx;
-        const T alpha = r.m[x] == -kInf ? T(0) : exp2_floored(T(r.m[x] - sub));
-        r.m[x] = mx;
-        r.l[x] = alpha * r.l[x] + K::exp2_sub_sum(s, kb, sub);
-        if (alpha != T(1)) {
-          T* ax = r.acc + x * Ev;
-#pragma omp simd
-          for (index_t d = 0; d < Ev; ++d) ax[d] *= alpha;
-        }
-      }
-      if constexpr (kInt8) {  // sum_j p_j (scale_j v_j): the value scales join P, once l is taken
-        scales_at(vs0, a.vs_rs, a.vs_ps, *cur, k0, kb, ks);
-        for (index_t x = 0; x < r.R; ++x)
-          for (index_t j = 0; j < kb; ++j) r.s[x * DB + j] *= ks[j];
-      }
-      // acc_x += sum_j p[x, j] v_j, the accumulator chunk held in registers over the block's
-      // rows wherever they lie
-      const KV* vrows[DB];
-      rows_at(vb0, a.v_rs, a.v_ps, *cur, k0, kb, vrows);
-      // Keys hidden by position stay out of a row's output even as 0 * NaN (as in the prefill's
-      // accumulate): where an edge crosses the block and a value row is not finite, each row
-      // takes only the keys it sees.
-      index_t rl = 0, rh = kb;  // rows [0, rl) and [rh, kb) are hidden from some row x
-      for (index_t x = 0; x < r.R; ++x) {
-        const auto [jl, jh] = seen(rp[x], x % Lq, k0, kb);
-        rl = max_of<index_t>(rl, jl);
-        rh = min_of<index_t>(rh, jh);
-      }
-      rh = max_of<index_t>(rh, rl);
-      if ((rl == 0 && rh == kb) || (finite_kv_rows(vrows, ks, 0, rl, Ev) && finite_kv_rows(vrows, ks, rh, kb, Ev))) {
-        K::pv_rows(r.s, DB, r.R, kb, vrows, Ev, r.acc);
-      } else {
-        for (index_t x = 0; x < r.R; ++x) {
-          const auto [jl, jh] = seen(rp[x], x % Lq, k0, kb);
-          if (jh > jl) K::pv_rows(r.s + x * DB + jl, DB, 1, jh - jl, vrows + jl, Ev, r.acc + x * Ev);
-        }
-      }
-    }
-  }
-
   // Where keys [k0, k0+n) of problem p lie: page[j] (a block-table entry; 0 when contiguous) and
   // slot[j] (the row within it; the key itself when contiguous).
   struct Slots {
@@ -1093,6 +950,208 @@ struct Attention {
     if (lse) lse[a.lseoff[h] + qi * a.lse_s] = lse_of(p, sub, l);
   }
 
+  // A decode task's run over keys [j0, j1) of one head group: its rows, where its K/V (and int8
+  // scales) start, each row's problem (its head's ALiBi slope, its alignment), and where this
+  // block's keys and those PFD blocks ahead lie (block i's slots at ring[i % (PFD + 1)]: row j
+  // is row slot[j] of page page[j], page 0 and slot = key for a contiguous cache), stepped
+  // through the pages once per block rather than divided out per row.
+  struct GroupRun {
+    Rows r;
+    Problem pg;  // the group's K/V
+    index_t j0, j1;
+    const KV *kb0, *vb0;
+    const float *ks0, *vs0;  // int8: the scales of key j, addressed through the same slots as its row
+    Problem rp[16];          // R = group * Lq <= 16 on this path (use_decode)
+    Slots ring[PFD + 1];
+  };
+
+  // Whether the call's K/V (all groups, all keys) fit in half a typical L3.
+  bool decode_cached() const {
+    return double(a.bh / a.group) * double(a.Lk) * double(a.E + a.Ev) * double(sizeof(KV)) <= 16.0 * (1 << 20);
+  }
+
+  // Starts group g's run over keys [j0, j1) in rows r: q = query * s2, m = -inf, l = 0, acc = 0.
+  void decode_start(index_t g, index_t j0, index_t j1, const Rows& r, GroupRun& u) const {
+    const index_t Lq = a.Lq, E = a.E, Ev = a.Ev;
+    const index_t h0 = g * a.group;
+    for (index_t x = 0; x < r.R; ++x) {
+      const T* qsrc = query + a.qoff[h0 + x / Lq] + (x % Lq) * a.q_rs;
+      T* qd = r.q + x * E;
+      for (index_t e = 0; e < E; ++e) qd[e] = qsrc[e] * s2;
+      r.m[x] = -kInf;
+      r.l[x] = T(0);
+      for (index_t d = 0; d < Ev; ++d) r.acc[x * Ev + d] = T(0);
+    }
+    u.r = r;
+    u.pg = problem(h0);
+    u.j0 = j0;
+    u.j1 = j1;
+    for (index_t i = 0; i < PFD && j0 + i * DB < j1; ++i)
+      slots(u.pg, j0 + i * DB, min_of<index_t>(DB, j1 - j0 - i * DB), u.ring[i]);
+    u.kb0 = key + a.koff[u.pg.bh];
+    u.vb0 = value + a.voff[u.pg.bh];
+    u.ks0 = kInt8 ? a.k_scale + a.ksoff[u.pg.bh] : nullptr;
+    u.vs0 = kInt8 ? a.v_scale + a.vsoff[u.pg.bh] : nullptr;
+    for (index_t x = 0; x < r.R; ++x) u.rp[x] = problem(h0 + x / Lq);
+  }
+
+  // Block blk of run u, keys [k0, k0 + DB) cut at u.j1; leaves unnormalised acc, running max m
+  // (log2 units) and sum l per row. stream_keys: single rows streamed from memory, prefetched
+  // key by key, or (contiguous K/V on CPUs where that measured slower, decode_prefetch_streams)
+  // several keys at a time with none. The rows prefetched (where they are) are those of block
+  // ablk of run ahead: u's own block PFD ahead, or (decode_groups) the block read PFD calls on.
+  PYATTN_PHASE void decode_block(GroupRun& u, index_t k0, index_t blk, const GroupRun& ahead, index_t ablk, bool cached,
+                                 bool stream_keys) const {
+    const index_t Lq = a.Lq, E = a.E, Ev = a.Ev, j1 = u.j1;
+    Rows& r = u.r;
+    const Problem& pg = u.pg;
+    const Problem* rp = u.rp;
+    Slots* ring = u.ring;
+    const KV* kb0 = u.kb0;
+    const KV* vb0 = u.vb0;
+    const float* ks0 = u.ks0;
+    const float* vs0 = u.vs0;
+    auto krow = [&](const Slots& s, index_t j) { return kb0 + s.page[j] * a.k_ps + s.slot[j] * a.k_rs; };
+    auto vrow = [&](const Slots& s, index_t j) { return vb0 + s.page[j] * a.v_ps + s.slot[j] * a.v_rs; };
+    const Slots& as = ahead.ring[ablk % (PFD + 1)];
+    const index_t an = min_of<index_t>(DB, ahead.j1 - (ahead.j0 + ablk * DB));  // rows to prefetch
+    auto akrow = [&](index_t j) { return ahead.kb0 + as.page[j] * a.k_ps + as.slot[j] * a.k_rs; };
+    auto avrow = [&](index_t j) { return ahead.vb0 + as.page[j] * a.v_ps + as.slot[j] * a.v_rs; };
+    T ks[DB];  // int8: this block's key scales, then its value scales
+    const index_t kb = min_of<index_t>(DB, j1 - k0), k1 = k0 + PFD * DB, nb = min_of<index_t>(DB, j1 - k1);
+    Slots* cur = &ring[blk % (PFD + 1)];
+    Slots* nxt = &ring[(blk + PFD) % (PFD + 1)];
+    if (nb > 0) slots(pg, k1, nb, *nxt);
+    // s[x, j] = q_x . k_j. Streamed from memory (stream_keys, and grouped rows past the cached
+    // size), key rows are read one after the other and prefetched one row per key: this
+    // block's V (for pv_rows below), and K and V PFD blocks ahead, so that neither stream
+    // starts cold at a block boundary.
+    // Over K/V that fit in cache, several keys at a time (kernels/x86_simd.h dot_keys: L for
+    // one query row, L / 4 for grouped rows), with no software prefetch: from L2/L3 the
+    // hardware's keeps up, and the prefetches cost more than they save (grouped rows, Hq4 Hkv1
+    // Lk4096 D128, one thread: 23.4 ns a key with them, 16.0 without).
+    // Streamed from memory, the key-by-key loop is faster for float rows on the AMD cores timed
+    // (L keys at a time measured 1.10-1.15x slower on one thread, H32 Lk4096 D128; L / 4 keys of
+    // grouped rows 1.24-1.55x, Hkv8 Lk32768 D128; the cause was not found; Zen 3's single rows:
+    // decode_prefetch_streams, frame/api.h), but an int8
+    // cache, bound by its conversions, takes the grouped rows L / 4 keys at a time (1.15x
+    // faster). On an Intel Xeon, single rows over contiguous K/V ran faster L keys at a time
+    // without prefetches (decode_prefetch_streams: GPT-2 B4 c1024 1.14x, H32 c8192 1.08x; with
+    // AVX2 1.25x and 0.99x), but 1.08x slower through a block table; its grouped rows kept the
+    // key-by-key loop (L / 4 keys without prefetches: 1.11-1.28x slower on 64-128 MiB
+    // contiguous caches, 1.65x paged).
+    // The first and last branches look alike but stay apart: one branch for both (the same
+    // arithmetic, bit for bit) made the streamed key-by-key loop between them 1.06-1.09x slower
+    // (GPT-2 B4 c1024, three one-process A/Bs), this loop's known sensitivity to code layout.
+    if (r.R == 1 && !stream_keys) {
+      const KV* krows[DB];
+      rows_at(kb0, a.k_rs, a.k_ps, *cur, k0, kb, krows);
+      K::dot_keys(r.q, E, index_t(1), krows, kb, E, r.s, DB);
+    } else if (r.R == 1 || !(cached || kInt8)) {
+      for (index_t j = 0; j < kb; ++j) {
+        prefetch_rows(vrow(*cur, j), a.v_rs, 1, Ev);
+        if (j < an) {
+          prefetch_rows(akrow(j), a.k_rs, 1, E);
+          prefetch_rows(avrow(j), a.v_rs, 1, Ev);
+        }
+        K::dot_rows(r.q, E, r.R, krow(*cur, j), E, r.s + j, DB);
+      }
+    } else {
+      const KV* krows[DB];
+      rows_at(kb0, a.k_rs, a.k_ps, *cur, k0, kb, krows);
+      constexpr index_t KG = 16;  // keys per dot_keys call, their prefetches just before it
+      for (index_t jg = 0; jg < kb; jg += KG) {
+        const index_t n = min_of<index_t>(KG, kb - jg);
+        for (index_t j = jg; j < jg + n; ++j) {
+          if (!cached) {
+            prefetch_rows(vrow(*cur, j), a.v_rs, 1, Ev);
+            if (j < an) {
+              prefetch_rows(akrow(j), a.k_rs, 1, E);
+              prefetch_rows(avrow(j), a.v_rs, 1, Ev);
+            }
+          }
+        }
+        K::dot_keys(r.q, E, r.R, krows + jg, n, E, r.s + jg, DB);
+      }
+    }
+    if constexpr (kInt8) scales_at(ks0, a.ks_rs, a.ks_ps, *cur, k0, kb, ks);
+    for (index_t x = 0; x < r.R; ++x) {
+      const Problem& p = rp[x];
+      const index_t qi = x % Lq;
+      T* s = r.s + x * DB;
+      if constexpr (kInt8)  // q . (scale k) = scale (q . k)
+        for (index_t j = 0; j < kb; ++j) s[j] *= ks[j];
+      mod_keys(p, qi, k0, kb, s);
+      mask_row(p, qi, k0, kb, s, 1);
+      const T mx = K::max_row(s, kb, r.m[x]);
+      const T sub = mx == -kInf ? T(0) : mx;
+      const T alpha = r.m[x] == -kInf ? T(0) : exp2_floored(T(r.m[x] - sub));
+      r.m[x] = mx;
+      r.l[x] = alpha * r.l[x] + K::exp2_sub_sum(s, kb, sub);
+      if (alpha != T(1)) {
+        T* ax = r.acc + x * Ev;
+#pragma omp simd
+        for (index_t d = 0; d < Ev; ++d) ax[d] *= alpha;
+      }
+    }
+    if constexpr (kInt8) {  // sum_j p_j (scale_j v_j): the value scales join P, once l is taken
+      scales_at(vs0, a.vs_rs, a.vs_ps, *cur, k0, kb, ks);
+      for (index_t x = 0; x < r.R; ++x)
+        for (index_t j = 0; j < kb; ++j) r.s[x * DB + j] *= ks[j];
+    }
+    // acc_x += sum_j p[x, j] v_j, the accumulator chunk held in registers over the block's
+    // rows wherever they lie
+    const KV* vrows[DB];
+    rows_at(vb0, a.v_rs, a.v_ps, *cur, k0, kb, vrows);
+    // Keys hidden by position stay out of a row's output even as 0 * NaN (as in the prefill's
+    // accumulate): where an edge crosses the block and a value row is not finite, each row
+    // takes only the keys it sees.
+    index_t rl = 0, rh = kb;  // rows [0, rl) and [rh, kb) are hidden from some row x
+    for (index_t x = 0; x < r.R; ++x) {
+      const auto [jl, jh] = seen(rp[x], x % Lq, k0, kb);
+      rl = max_of<index_t>(rl, jl);
+      rh = min_of<index_t>(rh, jh);
+    }
+    rh = max_of<index_t>(rh, rl);
+    if ((rl == 0 && rh == kb) || (finite_kv_rows(vrows, ks, 0, rl, Ev) && finite_kv_rows(vrows, ks, rh, kb, Ev))) {
+      K::pv_rows(r.s, DB, r.R, kb, vrows, Ev, r.acc);
+    } else {
+      for (index_t x = 0; x < r.R; ++x) {
+        const auto [jl, jh] = seen(rp[x], x % Lq, k0, kb);
+        if (jh > jl) K::pv_rows(r.s + x * DB + jl, DB, 1, jh - jl, vrows + jl, Ev, r.acc + x * Ev);
+      }
+    }
+  }
+
+  // Runs keys [j0, j1) of head group g; leaves unnormalised acc, running max m (log2 units)
+  // and sum l per row.
+  void decode_chunk(index_t g, index_t j0, index_t j1, Rows& r) const {
+    GroupRun u;
+    decode_start(g, j0, j1, r, u);
+    const bool cached = decode_cached();
+    const bool stream_keys = !cached && (a.block_table != nullptr || decode_prefetch_streams());
+    for (index_t k0 = j0, blk = 0; k0 < j1; k0 += DB, ++blk)
+      decode_block(u, k0, blk, u, blk + PFD, cached, stream_keys);
+  }
+
+  // decode_chunk for groups [g0, g0 + n) over the same keys [j0, j1) in rows rs[0..n), a block
+  // of each group in turn (the same arithmetic per group, in another order). Through a paged
+  // cache a block's heads lie side by side: block 16 makes one head's rows an 8 KB run, which
+  // read one head at a time cost 1.10-1.27x the contiguous cache's time (blocks of 64 rows:
+  // 0.99-1.05); eight heads at a time, 1.06-1.13x (B4 Hq32 Hkv8 L4096 D128). Each call
+  // prefetches the rows read PFD calls later (the next groups' in this block, or the next
+  // block's): its own block PFD ahead, PFD x n calls away, left L2 before its turn (1.11-1.21x).
+  static constexpr index_t kMaxRun = 8;
+  void decode_groups(index_t g0, index_t n, index_t j0, index_t j1, Rows* rs) const {
+    GroupRun u[kMaxRun];
+    for (index_t i = 0; i < n; ++i) decode_start(g0 + i, j0, j1, rs[i], u[i]);
+    const bool cached = decode_cached();
+    const bool stream_keys = !cached && (a.block_table != nullptr || decode_prefetch_streams());
+    for (index_t k0 = j0, blk = 0; k0 < j1; k0 += DB, ++blk)
+      for (index_t i = 0; i < n; ++i)
+        decode_block(u[i], k0, blk, u[(i + PFD) % n], blk + (i + PFD) / n, cached, stream_keys);
+  }
+
   void decode() const {
     const index_t ng = a.bh / a.group, R = a.group * a.Lq, Ev = a.Ev;
     // Keys [kbeg, kend) of each group: all that its queries may see. They are cut into the same
@@ -1108,33 +1167,20 @@ struct Attention {
     }
     index_t nchunk = 1;
     if (ng < 8) nchunk = max_of<index_t>(1, min_of<index_t>(ceil_div(8, ng), span / 256));
-    const index_t ntasks = ng * nchunk;
-    const std::size_t part = std::size_t(R) * std::size_t(Ev + 2);  // acc, m, l per task
-    T* parts = nchunk > 1 ? static_cast<T*>(scratch(2, ntasks * part * sizeof(T))) : nullptr;
-    const std::size_t bytes = decode_scratch(R, a.E, Ev);
+    // Through a paged cache a task takes hpt groups (consecutive heads: a block's heads lie side
+    // by side) over the same keys, as decode_groups: as many as leave two tasks a thread.
+    index_t hpt = 1;
+    if (a.block_table)
+      while (hpt < kMaxRun && ng % (2 * hpt) == 0 && ng / (2 * hpt) * nchunk >= 2 * index_t(a.nthreads)) hpt *= 2;
+    const index_t ntasks = ng / hpt * nchunk;
+    const std::size_t part = std::size_t(R) * std::size_t(Ev + 2);  // acc, m, l per group and chunk
+    T* parts = nchunk > 1 ? static_cast<T*>(scratch(2, std::size_t(ng * nchunk) * part * sizeof(T))) : nullptr;
+    const std::size_t bytes = std::size_t(round_up(index_t(decode_scratch(R, a.E, Ev)), 64));  // one group's rows
     // threads_for counts GEMM-rate multiply-adds; streamed from memory or cache, a decode
     // multiply-add costs about three (measured: ~19 G/s on one Zen 5 core, ~60 G/s in the tile).
     const double work = 3.0 * double(a.bh) * double(a.Lq) * double(span) * double(a.E + a.Ev);
     const int nt = int(min_of<index_t>(threads_for(work, a.nthreads), ntasks));
 
-    auto task = [&](index_t t, Rows& r) {
-      const index_t g = t / nchunk, c = t % nchunk;
-      const Problem p = problem(g * a.group);
-      const index_t kbeg = lo(p, 0), kend = max_of<index_t>(kbeg, hi(p, a.Lq - 1));
-      const index_t chunk = round_up(ceil_div(kend - kbeg, nchunk), DB);
-      const index_t j0 = min_of<index_t>(kend, kbeg + c * chunk), j1 = min_of<index_t>(kend, j0 + chunk);
-      decode_chunk(g, j0, j1, r);
-      if (!parts) {
-        for (index_t x = 0; x < R; ++x) finish_row(g, x, r.acc + x * Ev, r.m[x], r.l[x]);
-        return;
-      }
-      T* pt = parts + t * part;
-      for (index_t x = 0; x < R * Ev; ++x) pt[x] = r.acc[x];
-      for (index_t x = 0; x < R; ++x) {
-        pt[R * Ev + x] = r.m[x];
-        pt[R * Ev + R + x] = r.l[x];
-      }
-    };
     auto carve_rows = [&](T* base) {
       Rows r;
       r.R = R;
@@ -1144,6 +1190,46 @@ struct Attention {
       r.m = r.acc + R * Ev;
       r.l = r.m + R;
       return r;
+    };
+    // Chunk c of group g's keys: [j0, j1).
+    auto keys = [&](index_t g, index_t c) {
+      const Problem p = problem(g * a.group);
+      const index_t kbeg = lo(p, 0), kend = max_of<index_t>(kbeg, hi(p, a.Lq - 1));
+      const index_t chunk = round_up(ceil_div(kend - kbeg, nchunk), DB);
+      const index_t j0 = min_of<index_t>(kend, kbeg + c * chunk), j1 = min_of<index_t>(kend, j0 + chunk);
+      return std::pair<index_t, index_t>(j0, j1);
+    };
+    auto task = [&](index_t t, T* base) {
+      const index_t g0 = t / nchunk * hpt, c = t % nchunk;
+      Rows rs[kMaxRun];
+      for (index_t i = 0; i < hpt; ++i) rs[i] = carve_rows(base + std::size_t(i) * bytes / sizeof(T));
+      const auto [j0, j1] = keys(g0, c);
+      bool same = true;  // every group of the task over the same keys (not so with kv_lens)
+      for (index_t i = 1; i < hpt; ++i) same = same && keys(g0 + i, c) == std::make_pair(j0, j1);
+      if (hpt == 1) {
+        decode_chunk(g0, j0, j1, rs[0]);
+      } else if (same) {
+        decode_groups(g0, hpt, j0, j1, rs);
+      } else {
+        for (index_t i = 0; i < hpt; ++i) {
+          const auto [i0, i1] = keys(g0 + i, c);
+          decode_chunk(g0 + i, i0, i1, rs[i]);
+        }
+      }
+      for (index_t i = 0; i < hpt; ++i) {
+        const index_t g = g0 + i;
+        const Rows& r = rs[i];
+        if (!parts) {
+          for (index_t x = 0; x < R; ++x) finish_row(g, x, r.acc + x * Ev, r.m[x], r.l[x]);
+          continue;
+        }
+        T* pt = parts + (g * nchunk + c) * part;
+        for (index_t x = 0; x < R * Ev; ++x) pt[x] = r.acc[x];
+        for (index_t x = 0; x < R; ++x) {
+          pt[R * Ev + x] = r.m[x];
+          pt[R * Ev + R + x] = r.l[x];
+        }
+      }
     };
     // Merge the chunks of group g: M = max m_c; acc = sum exp2(m_c - M) acc_c; l likewise.
     auto merge = [&](index_t g, T* acc) {
@@ -1168,14 +1254,14 @@ struct Attention {
     };
 
     team(
-        nt, [&] { return carve_rows(static_cast<T*>(scratch(0, bytes))); },
-        [&](Rows& r, const Team& tm) {
+        nt, [&] { return static_cast<T*>(scratch(0, std::size_t(hpt) * bytes)); },
+        [&](T* base, const Team& tm) {
           // One task per group, all of one length: equal runs, so each thread takes the same
           // heads call after call and a decode step whose K/V fit its L2 finds them there (GPT-2
           // c128, B1 and B4: 0.93x the time of taking them on demand). Groups cut into chunks
           // (the last one shorter) or of uneven lengths (kv_lens, windows): on demand.
-          tm.for_each(ntasks, !(even && nchunk == 1), [&](index_t t) { task(t, r); });
-          if (parts) tm.for_each(ng, false, [&](index_t g) { merge(g, r.acc); });
+          tm.for_each(ntasks, !(even && nchunk == 1), [&](index_t t) { task(t, base); });
+          if (parts) tm.for_each(ng, false, [&](index_t g) { merge(g, carve_rows(base).acc); });
         });
   }
 
