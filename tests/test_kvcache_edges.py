@@ -458,6 +458,17 @@ def test_inputs_changed_by_another_thread_mid_call():
     assert r.returncode == 0 and "ok" in r.stdout, f"exit {r.returncode}\n{r.stderr[-2000:]}"
 
 
+def _pool(x, table, bs):
+    """A contiguous cache (B, Hkv, L, ...) as a pool of blocks (B * L / bs, Hkv, bs, ...), block i of
+    sequence b at table[b, i]."""
+    B, hkv, L = x.shape[:3]
+    nb = L // bs
+    blocks = x.reshape(B, hkv, nb, bs, *x.shape[3:]).swapaxes(1, 2).reshape(B * nb, hkv, bs, *x.shape[3:])
+    out = np.empty_like(blocks)
+    out[table.reshape(-1)] = blocks
+    return out
+
+
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("group", [1, 4])  # single decode rows, grouped rows
 def test_int8_scales_are_read_through_their_strides(isa, paged, group, rng):
@@ -474,16 +485,8 @@ def test_int8_scales_are_read_through_their_strides(isa, paged, group, rng):
     ks = rng.uniform(0.001, 0.02, shape).astype(np.float32)
     vs = rng.uniform(0.001, 0.02, shape).astype(np.float32)
     if paged:  # the same tokens in a pool of blocks, in shuffled order
-        nb = L // bs
-        table = rng.permutation(B * nb).astype(np.int32).reshape(B, nb)
-
-        def pool(x):
-            blocks = x.reshape(B, hkv, nb, bs, *x.shape[3:]).swapaxes(1, 2).reshape(B * nb, hkv, bs, *x.shape[3:])
-            out = np.empty_like(blocks)
-            out[table.reshape(-1)] = blocks
-            return out
-
-        kc, vc, ks, vs = pool(kc), pool(vc), pool(ks), pool(vs)
+        table = rng.permutation(B * (L // bs)).astype(np.int32).reshape(B, L // bs)
+        kc, vc, ks, vs = (_pool(x, table, bs) for x in (kc, vc, ks, vs))
     outs, written = [], []
     for strided in (False, True):
         k, v = kc.copy(), vc.copy()
@@ -528,18 +531,10 @@ def test_paged_decode_reads_several_heads_per_task(isa, cdt, B, hkv, group, lens
     else:
         kc, vc = rn(rng, (B, hkv, L, E)).astype(cdt), rn(rng, (B, hkv, L, E)).astype(cdt)
         scales = [None, None]
-    nb = L // bs
-    table = rng.permutation(B * nb).astype(np.int32).reshape(B, nb)
-
-    def pool(x):
-        blocks = x.reshape(B, hkv, nb, bs, *x.shape[3:]).swapaxes(1, 2).reshape(B * nb, hkv, bs, *x.shape[3:])
-        out = np.empty_like(blocks)
-        out[table.reshape(-1)] = blocks
-        return out
-
+    table = rng.permutation(B * (L // bs)).astype(np.int32).reshape(B, L // bs)
     want = pyattn.kvcache_attention(q, kc, vc, lens, k_scale=scales[0], v_scale=scales[1])
-    pk, pv = pool(kc), pool(vc)
-    ps = [None if x is None else pool(x) for x in scales]
+    pk, pv = _pool(kc, table, bs), _pool(vc, table, bs)
+    ps = [None if x is None else _pool(x, table, bs) for x in scales]
     before = pyattn.get_num_threads()
     try:
         for threads in (1, 2, 3):
