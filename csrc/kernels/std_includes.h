@@ -11,6 +11,7 @@
 #include <exception>
 #include <limits>
 #include <type_traits>
+#include <tuple>
 #include <utility>
 #include <vector>
 
