@@ -252,7 +252,9 @@ def test_decode_prefetch_choice():
     """PYATTN_DECODE_PREFETCH picks how the decode streams single K/V rows (key by key with
     prefetches, or several keys at a time without); show_config reports the choice, and both
     give the reference's result on every kernel set: float32 (with kv_lens), float16 and int8
-    K/V, each past the 16 MiB the decode treats as cached, so that the choice applies."""
+    K/V, each past the 16 MiB the decode treats as cached, so that the choice applies (to rows
+    past 128 bytes; the shorter float16 D64 and int8 D128 rows take several keys at a time under
+    every setting)."""
     here = os.path.dirname(os.path.abspath(__file__))
     code = (
         "import io, json, sys, numpy as np, pyattn, pyattn._core as c\n"

@@ -128,6 +128,7 @@ int isa_supported(const char* name);
 // measured faster on Zen 5, the other (several keys a pass, no prefetches) on an Intel Xeon, and
 // on Zen 3 each won on part of the cases (docs/performance.md has the figures). So: not on Intel,
 // yes on every other CPU (only AMD's measured); PYATTN_DECODE_PREFETCH=0 or 1 decides instead.
+// Key rows of at most two cache lines never take it (frame/attention.h, decode_stream_keys).
 bool decode_prefetch_streams();
 int default_num_threads();
 int get_num_threads();

@@ -995,11 +995,26 @@ struct Attention {
     for (index_t x = 0; x < r.R; ++x) u.rp[x] = problem(h0 + x / Lq);
   }
 
+  // Whether single rows streamed from memory take the key-by-key loop with prefetches
+  // (decode_block) rather than several keys at a time with none: always through a block table;
+  // over contiguous K/V where decode_prefetch_streams, and only for key rows past two cache
+  // lines. A short row leaves the key-by-key loop a few multiply-adds per key against a
+  // reduction and, for float16 / bfloat16 / int8, conversions: over contiguous caches streamed
+  // from memory, L keys at a time ran 1.2-1.9x faster for D64 float16 / bfloat16 and 1.1-1.9x
+  // for D64 and D128 int8, on both x86 kernel sets (B1-B4, 2 threads, Zen 4); D128 halves went
+  // either way (AVX2 0.74-0.87x), and through a block table of 16-row blocks short rows without
+  // prefetches ran 0.59-0.96x.
+  bool decode_stream_keys(bool cached) const {
+    if (cached) return false;
+    if (a.block_table) return true;
+    return decode_prefetch_streams() && a.E * index_t(sizeof(KV)) > 128;
+  }
+
   // Block blk of run u, keys [k0, k0 + DB) cut at u.j1; leaves unnormalised acc, running max m
-  // (log2 units) and sum l per row. stream_keys: single rows streamed from memory, prefetched
-  // key by key, or (contiguous K/V on CPUs where that measured slower, decode_prefetch_streams)
-  // several keys at a time with none. The rows prefetched (where they are) are those of block
-  // ablk of run ahead: u's own block PFD ahead, or (decode_groups) the block read PFD calls on.
+  // (log2 units) and sum l per row. stream_keys (decode_stream_keys): single rows streamed from
+  // memory, prefetched key by key, or several keys at a time with none. The rows prefetched
+  // (where they are) are those of block ablk of run ahead: u's own block PFD ahead, or
+  // (decode_groups) the block read PFD calls on.
   PYATTN_PHASE void decode_block(GroupRun& u, index_t k0, index_t blk, const GroupRun& ahead, index_t ablk, bool cached,
                                  bool stream_keys) const {
     const index_t Lq = a.Lq, E = a.E, Ev = a.Ev, j1 = u.j1;
@@ -1130,7 +1145,7 @@ struct Attention {
     GroupRun u;
     decode_start(g, j0, j1, r, u);
     const bool cached = decode_cached();
-    const bool stream_keys = !cached && (a.block_table != nullptr || decode_prefetch_streams());
+    const bool stream_keys = decode_stream_keys(cached);
     for (index_t k0 = j0, blk = 0; k0 < j1; k0 += DB, ++blk)
       decode_block(u, k0, blk, u, blk + PFD, cached, stream_keys);
   }
@@ -1149,7 +1164,7 @@ struct Attention {
     GroupRun u[kMaxRun];
     for (index_t i = 0; i < n; ++i) decode_start(g0 + i, j0, j1, rs[i], u[i]);
     const bool cached = decode_cached();
-    const bool stream_keys = !cached && (a.block_table != nullptr || decode_prefetch_streams());
+    const bool stream_keys = decode_stream_keys(cached);
     for (index_t k0 = j0, blk = 0; k0 < j1; k0 += DB, ++blk)
       for (index_t i = 0; i < n; ++i)
         decode_block(u[i], k0, blk, u[(i + PFD) % n], blk + (i + PFD) / n, cached, stream_keys);
