@@ -15,6 +15,13 @@ One pytest-benchmark group per shape, items ``pyattn``, ``torch`` and ``numpy``:
   ``torch_append``: the same after writing the token with ``copy_`` (the whole decode step);
   ``numpy``: writes the token, then the NumPy attention on the slice. No target of its own: it
   tracks the cache path's per-call cost, to be read beside the Llama decode group at context 512.
+- ``small GPT-2 small decode, cold cache`` (B1 H12 Lq1 D64, contexts 512 and 1024) and ``small
+  Llama-3-8B decode, cold cache`` (B1 Hq32 Hkv8 Lq1 D128, context 1024): the decode steps above
+  as a model makes them. Between two steps of one layer the model's other layers (their weights
+  and caches) pass through the CPU's caches, so a layer's K/V come from memory; the groups above
+  time the same call again and again, with K/V in cache whenever they fit. Here every round is
+  one call after ``EVICT_BYTES`` have been read outside the timing. No target of its own: read
+  it beside the warm group of the same shape (docs/performance.md, "decode from a cold cache").
 
 Peers. ``torch``: ``F.scaled_dot_product_attention`` on tensors made once outside the timing
 with ``torch.from_numpy`` (zero-copy), ``torch.set_num_threads`` set to pyattn's thread count, the
@@ -155,6 +162,15 @@ CASES = [
         smoke=dict(hq=8, hkv=2, lq=21, lk=21),
     ),
 ]
+COLD_CASES = [
+    *[
+        Case("GPT-2 small decode, cold cache", 1, 12, 1, lk, 64, smoke=dict(hq=3, hkv=3, lk=lk // 8 + 3))
+        for lk in (512, 1024)
+    ],
+    Case("Llama-3-8B decode, cold cache", 1, 32, 1, 1024, 128, hkv=8, smoke=dict(hq=8, hkv=2, lk=130)),
+]
+COLD_ROUNDS = 60  # one call a round
+EVICT_BYTES = 96 << 20  # read before each call: three times a 32 MiB L3
 KVCACHE_CASES = [
     Case("kvcache_attention decode", 1, 32, 1, 512, 128, hkv=8, lmax=1024, smoke=dict(hq=8, hkv=2, lk=77, lmax=130)),
 ]
@@ -248,6 +264,28 @@ def time_small(benchmark, fn, grad_off=None):
         return benchmark.pedantic(fn, rounds=ROUNDS, iterations=iterations, warmup_rounds=1)
 
 
+@functools.lru_cache(maxsize=1)
+def _evict_buffer() -> np.ndarray:
+    return np.ones(EVICT_BYTES // 4, np.float32)
+
+
+def time_cold(benchmark, fn, grad_off=None):
+    """Time fn one call a round over ``COLD_ROUNDS`` rounds, each after ``EVICT_BYTES`` have been
+    read (outside the timing); return its last result. Under --benchmark-disable fn runs once."""
+    buf = _evict_buffer()
+
+    def evict():  # returns None: pytest-benchmark takes a setup's result as fn's arguments
+        buf.sum()
+
+    with grad_off if grad_off is not None else contextlib.nullcontext():
+        if not benchmark.enabled:
+            return benchmark.pedantic(fn)
+        time.sleep(SETTLE_S)
+        fn()
+        benchmark.extra_info.update(rounds=COLD_ROUNDS, iterations=1, evicted_bytes=EVICT_BYTES)
+        return benchmark.pedantic(fn, setup=evict, rounds=COLD_ROUNDS, iterations=1, warmup_rounds=1)
+
+
 def _info(benchmark, case: Case, impl: str) -> None:
     benchmark.group = case.name
     benchmark.extra_info.update(kind="attention", impl=impl, flops=case.flops, bytes=case.bytes, shape=case.name)
@@ -261,10 +299,10 @@ def check(case: Case, out, impl: str) -> None:
     assert_close(out, oracle(case), REL_TOL, f"{impl} on {case.name}")
 
 
-def test_small(benchmark, case: Case, impl: str):
-    _info(benchmark, case, impl)
+def attention_call(case: Case, impl: str):
+    """(fn, grad_off): impl's attention over the case's q, k, v, and the context its timing loop
+    runs under (torch.no_grad() for torch, else None)."""
     q, k, v, _, _ = inputs(case)
-    oracle(case)
     grad_off = None
     if impl == "pyattn":
         kw = {"enable_gqa": True} if case.gqa else {}
@@ -288,8 +326,21 @@ def test_small(benchmark, case: Case, impl: str):
         def fn():
             return attend(q, k, v)
 
-    out = time_small(benchmark, fn, grad_off)
+    return fn, grad_off
+
+
+def test_small(benchmark, case: Case, impl: str):
+    _info(benchmark, case, impl)
+    oracle(case)
+    out = time_small(benchmark, *attention_call(case, impl))
     check(case, out.numpy() if impl == "torch" else out, impl)
+
+
+def test_small_cold(benchmark, cold_case: Case, impl: str):
+    _info(benchmark, cold_case, impl)
+    oracle(cold_case)
+    out = time_cold(benchmark, *attention_call(cold_case, impl))
+    check(cold_case, out.numpy() if impl == "torch" else out, impl)
 
 
 def test_small_kvcache(benchmark, kv_case: Case, impl: str):
@@ -342,7 +393,7 @@ def _id(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]", "", name.replace(" ", "_"))
 
 
-PARAMS = {"case": (CASES, IMPLS), "kv_case": (KVCACHE_CASES, KVCACHE_IMPLS)}
+PARAMS = {"case": (CASES, IMPLS), "cold_case": (COLD_CASES, IMPLS), "kv_case": (KVCACHE_CASES, KVCACHE_IMPLS)}
 
 
 def pytest_generate_tests(metafunc):
