@@ -485,9 +485,11 @@ struct VecKernels {
   //   s[j] = q . rows[j] for j < L (one query row): each key row read in order, into an
   //   accumulator of its own; the L accumulators reduced together (Ops::sum_lanes), a fraction of
   //   the cost of reducing each one. NV > 0: rows of exactly NV vectors, unrolled (the usual head
-  //   sizes); NV = 0: any length n.
-  template <int NV, class S>
-  static void dot_lanes(const T* q, const S* const* rows, index_t n, T* s) {
+  //   sizes); NV = 0: any length n. PF: after key j, rows pk[j] (n long) and pv[j] (nv long)
+  //   are prefetched, spread over the keys as the key-by-key loop spreads them.
+  template <int NV, bool PF, class S>
+  static void dot_lanes(const T* q, const S* const* rows, index_t n, T* s, const S* const* pk, const S* const* pv,
+                        index_t nv_pf) {
     V acc[L];
     const index_t nv = NV > 0 ? NV : n / L, tail = NV > 0 ? 0 : n - nv * L;
     const typename Ops::Mask m = Ops::mask(int(tail));
@@ -504,6 +506,11 @@ struct VecKernels {
       if (i < nv) a = Ops::fma(Ops::load(q + i * L), load_as<Ops>(k + i * L), a);
       if (NV == 0 && tail) b = Ops::fma(Ops::maskload(m, q + nv * L), load_as_n<Ops>(m, int(tail), k + nv * L), b);
       acc[j] = Ops::add(a, b);
+      if constexpr (PF) {
+        constexpr index_t line = index_t(64 / sizeof(S));
+        for (index_t c = 0; c < n; c += line) PYATTN_PREFETCH_L2(pk[j] + c);
+        for (index_t c = 0; c < nv_pf; c += line) PYATTN_PREFETCH_L2(pv[j] + c);
+      }
     }
     Ops::store(s, Ops::sum_lanes(acc));
   }
@@ -558,23 +565,17 @@ struct VecKernels {
 
   //   s[x*ss + j] = q_x . rows[j] for x < R, j < kb. Where Ops has sum_lanes: one query row L
   //   keys at a time (decode without grouped heads), grouped rows L / 4 (or L / 2) keys at a time
-  //   for four (two) rows; otherwise, and for the last keys, key by key.
+  //   for four (two) rows; otherwise, and for the last keys, key by key. pk: one query row
+  //   prefetches K row pk[j] (n long) and V row pv[j] (nv_pf long) after key j (dot_lanes).
   template <class S>
-  static void dot_keys(const T* q, index_t qs, index_t R, const S* const* rows, index_t kb, index_t n, T* s,
-                       index_t ss) {
+  static void dot_keys(const T* q, index_t qs, index_t R, const S* const* rows, index_t kb, index_t n, T* s, index_t ss,
+                       const S* const* pk = nullptr, const S* const* pv = nullptr, index_t nv_pf = 0) {
     index_t j = 0;
     if constexpr (HasSumLanes<Ops>::value) {
-      if (R == 1) {
-        for (; j + L <= kb; j += L) {
-          if (n == 4 * L)
-            dot_lanes<4>(q, rows + j, n, s + j);
-          else if (n == 8 * L)
-            dot_lanes<8>(q, rows + j, n, s + j);
-          else if (n == 16 * L)
-            dot_lanes<16>(q, rows + j, n, s + j);
-          else
-            dot_lanes<0>(q, rows + j, n, s + j);
-        }
+      if (R == 1 && pk) {
+        for (; j + L <= kb; j += L) lanes_of<true>(q, rows + j, n, s + j, pk + j, pv + j, nv_pf);
+      } else if (R == 1) {
+        for (; j + L <= kb; j += L) lanes_of<false>(q, rows + j, n, s + j, pk, pv, nv_pf);
       } else if constexpr (L >= 4) {  // (two-lane vectors: key by key)
         // L / 4 keys at a time, for every block of four rows, then two rows, then one: the
         // keys' rows stay in L1 across the row blocks
@@ -588,6 +589,20 @@ struct VecKernels {
       }
     }
     for (; j < kb; ++j) dot_rows(q, qs, R, rows[j], n, s + j, ss);
+  }
+
+  // dot_lanes for the row length n: unrolled for the usual head sizes
+  template <bool PF, class S>
+  static void lanes_of(const T* q, const S* const* rows, index_t n, T* s, const S* const* pk, const S* const* pv,
+                       index_t nv_pf) {
+    if (n == 4 * L)
+      dot_lanes<4, PF>(q, rows, n, s, pk, pv, nv_pf);
+    else if (n == 8 * L)
+      dot_lanes<8, PF>(q, rows, n, s, pk, pv, nv_pf);
+    else if (n == 16 * L)
+      dot_lanes<16, PF>(q, rows, n, s, pk, pv, nv_pf);
+    else
+      dot_lanes<0, PF>(q, rows, n, s, pk, pv, nv_pf);
   }
 
   //   s[x*ss] = q_x . k for x < R, the K row read in order, four query rows at a time

@@ -63,10 +63,10 @@ struct GenericKernels {
       s[x * ss] = d;
     }
   }
-  //   s[x*ss + j] = q_x . rows[j] for x < R, j < kb
+  //   s[x*ss + j] = q_x . rows[j] for x < R, j < kb (the rows to prefetch, x86_simd.h's, unused)
   template <class S>
-  static void dot_keys(const T* q, index_t qs, index_t R, const S* const* rows, index_t kb, index_t n, T* s,
-                       index_t ss) {
+  static void dot_keys(const T* q, index_t qs, index_t R, const S* const* rows, index_t kb, index_t n, T* s, index_t ss,
+                       const S* const* = nullptr, const S* const* = nullptr, index_t = 0) {
     for (index_t j = 0; j < kb; ++j) dot_rows(q, qs, R, rows[j], n, s + j, ss);
   }
   //   acc[x, d] += sum_j p[x*ps + j] * rows[j][d]
