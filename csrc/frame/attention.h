@@ -34,6 +34,14 @@ struct vector_lanes : std::integral_constant<int, 1> {};
 template <class K>
 struct vector_lanes<K, std::void_t<decltype(K::L)>> : std::integral_constant<int, int(K::L)> {};
 
+// Whether the kernel set's single decode rows over cached-size K/V prefetch the rows ahead
+// (K::kPrefetchCachedRows, decode_block); false where a set does not say.
+template <class K, class = void>
+struct prefetch_cached_rows : std::false_type {};
+template <class K>
+struct prefetch_cached_rows<K, std::void_t<decltype(K::kPrefetchCachedRows)>>
+    : std::integral_constant<bool, K::kPrefetchCachedRows> {};
+
 template <class K, class KV = typename K::T>
 struct Attention {
   using T = typename K::T;
@@ -1061,12 +1069,13 @@ struct Attention {
     if (r.R == 1 && !stream_keys) {
       const KV* krows[DB];
       rows_at(kb0, a.k_rs, a.k_ps, *cur, k0, kb, krows);
-      if (cached && an >= kb && !(kHalf && !kInt8 && E * index_t(sizeof(KV)) > 128)) {
+      if (prefetch_cached_rows<K>::value && cached && an >= kb && !(kHalf && !kInt8 && E * index_t(sizeof(KV)) > 128)) {
         // The call's K/V fit in cache, but a model reads them from memory (its other layers
         // pass through the cache between two steps of this one): the rows PFD blocks ahead are
-        // prefetched among the keys (dot_keys' pk). In cache that cost 4-6%; from memory it
-        // saved 1.09-1.33x (float32 D64 / D128, float16 D64, int8 D128; 2 threads, Zen 4),
-        // but cost float16 / bfloat16 D128 rows 1.12-1.25x, which go without.
+        // prefetched among the keys (dot_keys' pk). On AVX-512 in cache that cost 1-7%; from
+        // memory it saved 1.09-1.33x (float32 D64 / D128, float16 D64, int8 D128; 2 threads,
+        // Zen 4), but cost float16 / bfloat16 D128 rows 1.12-1.25x, which go without. AVX2
+        // lost both ways (0.84-0.86 in cache, 0.85-0.88 from memory): kPrefetchCachedRows.
         const KV* pk[DB];
         const KV* pv[DB];
         for (index_t j = 0; j < kb; ++j) {
