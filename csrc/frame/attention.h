@@ -1073,7 +1073,7 @@ struct Attention {
         // The call's K/V fit in cache, but a model reads them from memory (its other layers
         // pass through the cache between two steps of this one): the rows PFD blocks ahead are
         // prefetched among the keys (dot_keys' pk). On AVX-512 in cache that cost 1-7%; from
-        // memory it saved 1.09-1.33x (float32 D64 / D128, float16 D64, int8 D128; 2 threads,
+        // memory it saved 1.05-1.33x (float32 D64 / D128, float16 D64, int8 D128; 2 threads,
         // Zen 4), but cost float16 / bfloat16 D128 rows 1.12-1.25x, which go without. AVX2
         // lost both ways (0.84-0.86 in cache, 0.85-0.88 from memory): kPrefetchCachedRows.
         const KV* pk[DB];
