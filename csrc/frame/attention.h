@@ -1015,8 +1015,11 @@ struct Attention {
   bool decode_stream_keys(bool cached) const {
     if (cached) return false;
     if (a.block_table) return true;
-    return decode_prefetch_streams() && a.E * index_t(sizeof(KV)) > 128;
+    return decode_prefetch_streams() && !short_key_rows();
   }
+
+  // Key rows of at most two cache lines: the rows decode_stream_keys and decode_block treat apart.
+  bool short_key_rows() const { return a.E * index_t(sizeof(KV)) <= 128; }
 
   // Block blk of run u, keys [k0, k0 + DB) cut at u.j1; leaves unnormalised acc, running max m
   // (log2 units) and sum l per row. stream_keys (decode_stream_keys): single rows streamed from
@@ -1069,7 +1072,7 @@ struct Attention {
     if (r.R == 1 && !stream_keys) {
       const KV* krows[DB];
       rows_at(kb0, a.k_rs, a.k_ps, *cur, k0, kb, krows);
-      if (prefetch_cached_rows<K>::value && cached && an >= kb && !(kHalf && !kInt8 && E * index_t(sizeof(KV)) > 128)) {
+      if (prefetch_cached_rows<K>::value && cached && an >= kb && (!kHalf || kInt8 || short_key_rows())) {
         // The call's K/V fit in cache, but a model reads them from memory (its other layers
         // pass through the cache between two steps of this one): the rows PFD blocks ahead are
         // prefetched among the keys (dot_keys' pk). On AVX-512 in cache that cost 1-7%; from
