@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _core
-from ._validate import check_out, same_layout
+from ._validate import broadcast_shapes, check_out, same_layout
 
 __all__ = ["merge_attention_states"]
 
@@ -97,7 +97,7 @@ def _checked(outputs, lses):
                 f"lses[{i}] has shape {x.shape}; expected (..., {lq}), the Lq of the outputs ({seen_o}; {seen_l})"
             )
     try:
-        lead = tuple(np.broadcast_shapes(*(o.shape[:-2] for o in outs), *(x.shape[:-1] for x in ls)))
+        lead = broadcast_shapes(*(o.shape[:-2] for o in outs), *(x.shape[:-1] for x in ls))
     except ValueError:
         raise ValueError(f"the leading axes of {seen_o} and {seen_l} are not broadcastable") from None
     dtype = _F64 if np.result_type(*outs, *ls) == _F64 else _F32

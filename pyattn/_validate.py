@@ -106,9 +106,24 @@ def broadcast(a: np.ndarray, shape: tuple) -> np.ndarray:
     return a if a.shape == shape else np.broadcast_to(a, shape)
 
 
+def broadcast_shapes(*shapes) -> tuple:
+    """``np.broadcast_shapes`` for shapes of any rank NumPy allows (its own stops at 32 axes,
+    where an array may have 64: the compiled small-call path takes those, so this path must too)."""
+    n = max((len(s) for s in shapes), default=0)
+    out = [1] * n
+    for s in shapes:
+        for i, d in enumerate(s, n - len(s)):
+            d = int(d)
+            if d != 1:
+                if out[i] not in (1, d):
+                    raise ValueError(f"shapes {shapes} are not broadcastable")
+                out[i] = d
+    return tuple(out)
+
+
 def broadcast_lead(shapes, names, what: str) -> tuple:
     try:
-        return tuple(np.broadcast_shapes(*shapes))
+        return broadcast_shapes(*shapes)
     except ValueError:
         seen = ", ".join(f"{n} {tuple(s)}" for n, s in zip(names, shapes))
         raise ValueError(f"{what}: batch dimensions are not broadcastable ({seen})") from None

@@ -81,6 +81,30 @@ def test_bitwise_equal_to_the_general_path(monkeypatch, isa, lead, Lq, Lk, E, Ev
     np.testing.assert_allclose(out, ref, rtol=1e-4 if dtype == np.float32 else 1e-10, atol=1e-5)
 
 
+@pytest.mark.parametrize("nlead", [31, 33, 40, 62])
+def test_more_batch_axes_than_numpy_broadcasts(monkeypatch, nlead):
+    """Arrays may have 64 axes, np.broadcast_shapes takes 32: both paths take any rank NumPy
+    allows, with the same result (the general path raised RuntimeError past 32), and a mask or
+    the merge of two such states changes nothing."""
+    rng = np.random.default_rng(nlead)
+    lead = (1,) * (nlead - 2) + (2, 3)
+    q = rng.standard_normal(lead + (3, 8)).astype(np.float32)
+    k = rng.standard_normal((1,) * (nlead - 1) + (3, 5, 8)).astype(np.float32)
+    v = rng.standard_normal(lead + (5, 4)).astype(np.float32)
+    out, lse = pyattn.scaled_dot_product_attention(q, k, v, return_lse=True)
+    assert out.shape == lead + (3, 4)
+    want, want_lse = _general(monkeypatch, q, k, v, return_lse=True)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(lse, want_lse)
+    masked = pyattn.scaled_dot_product_attention(q, k, v, attn_mask=np.ones((3, 5), bool))
+    np.testing.assert_array_equal(masked, out)
+    merged, merged_lse = pyattn.merge_attention_states([out, out], [lse, lse])
+    np.testing.assert_allclose(merged, out, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(merged_lse, lse + np.log(2.0), rtol=1e-6)
+    with pytest.raises(ValueError, match="batch dimensions are not broadcastable"):
+        _general(monkeypatch, q, k[..., :2, :, :], v)
+
+
 @pytest.mark.parametrize("Hq, Hkv", [(8, 2), (32, 8), (4, 4), (6, 1)])
 def test_grouped_query_heads(monkeypatch, Hq, Hkv):
     rng = np.random.default_rng(Hq + Hkv)
