@@ -61,3 +61,48 @@ def decode_cases():
             lambda: ref.scaled_dot_product_attention(f64(ql), f64(kl) * ksl[..., None], f64(vl) * vsl[..., None]),
         ),
     }
+
+
+def paged_twins():
+    """{name: (call on a contiguous cache, the same call on a paged copy)}: single query rows over
+    K/V past the 16 MiB the decode treats as cached, where the two layouts may stream their keys
+    through different loops (key by key, or several keys at a time); each pair must agree bit for
+    bit (output and lse). Rows of 512 bytes (float32 D128: the loop follows
+    PYATTN_DECODE_PREFETCH), 128 (float16 D64 and int8 D128: several keys at a time when
+    contiguous) and 400 (float32 D100: a partial vector at the end of every row)."""
+    rng = np.random.default_rng(7)
+    H, bs = 4, 16
+    twins = {}
+    for name, dt, D, L in (
+        ("float32 D128", np.float32, 128, 8200),
+        ("float16 D64", np.float16, 64, 32800),
+        ("float32 D100", np.float32, 100, 5300),
+        ("int8 D128", np.int8, 128, 16400),
+    ):
+        nb = -(-L // bs)
+        q = rng.standard_normal((1, H, 1, D), dtype=np.float32)
+        if dt == np.int8:
+            k, v = (rng.integers(-127, 128, (1, H, nb * bs, D), dtype=np.int8) for _ in range(2))
+            ks, vs = (rng.uniform(0.005, 0.02, (1, H, nb * bs)).astype(np.float32) for _ in range(2))
+        else:
+            k, v = (rng.standard_normal((1, H, nb * bs, D), dtype=np.float32).astype(dt) for _ in range(2))
+            ks = vs = None
+        perm = rng.permutation(nb)  # logical block i lies in physical block perm[i]
+
+        def page(c, perm=perm, nb=nb):
+            c = c[0].reshape((H, nb, bs) + c.shape[3:])
+            p = np.empty((nb,) + c.shape[:1] + c.shape[2:], c.dtype)
+            p[perm] = np.moveaxis(c, 1, 0)
+            return p
+
+        lens, table = np.array([L]), perm[None].astype(np.int32)
+        paged = {"k_scale": page(ks), "v_scale": page(vs)} if ks is not None else {}
+        flat = {"k_scale": ks, "v_scale": vs} if ks is not None else {}
+        kp, vp = page(k), page(v)
+        twins[name] = (
+            lambda q=q, k=k, v=v, lens=lens, kw=flat: pyattn.kvcache_attention(q, k, v, lens, return_lse=True, **kw),
+            lambda q=q, k=kp, v=vp, lens=lens, t=table, kw=paged: pyattn.kvcache_attention(
+                q, k, v, lens, block_table=t, return_lse=True, **kw
+            ),
+        )
+    return twins

@@ -254,20 +254,27 @@ def test_decode_prefetch_choice():
     give the reference's result on every kernel set: float32 (with kv_lens), float16 and int8
     K/V, each past the 16 MiB the decode treats as cached, so that the choice applies (to rows
     past 128 bytes; the shorter float16 D64 and int8 D128 rows take several keys at a time under
-    every setting)."""
+    every setting). Under every setting, single rows through a paged copy of such a cache (which
+    streams key by key) give bit for bit what the contiguous cache gives (tests/_decode_cases.py
+    paged_twins)."""
     here = os.path.dirname(os.path.abspath(__file__))
     code = (
         "import io, json, sys, numpy as np, pyattn, pyattn._core as c\n"
         # tests/ by path: under PYTHONSAFEPATH (the wheel builds' tests) -c adds no directory
         f"sys.path.insert(0, {here!r})\n"
-        "from _decode_cases import decode_cases\n"
-        "cases = decode_cases()\n"
-        "out = {}\n"
+        "from _decode_cases import decode_cases, paged_twins\n"
+        "cases, twins = decode_cases(), paged_twins()\n"
+        "out, differ = {}, []\n"
         "for isa in c.available_isas():\n"
         "    c.set_isa(isa)\n"
         "    for name, (fn, _) in cases.items():\n"
         "        out[f'{isa} {name}'] = fn().tolist()\n"
-        "print(json.dumps({'flag': pyattn.show_config(file=io.StringIO())['decode_prefetch'], 'out': out}))\n"
+        "    for name, (flat, paged) in twins.items():\n"
+        "        (o, l), (po, pl) = flat(), paged()\n"
+        "        if not (np.array_equal(o, po) and np.array_equal(l, pl)):\n"
+        "            differ.append(f'{isa} {name}')\n"
+        "flag = pyattn.show_config(file=io.StringIO())['decode_prefetch']\n"
+        "print(json.dumps({'flag': flag, 'out': out, 'paged_differs': differ}))\n"
     )
     base = {k: v for k, v in os.environ.items() if k != "PYATTN_DECODE_PREFETCH"}
     refs = {name: ref() for name, (_, ref) in decode_cases().items()}
@@ -287,6 +294,7 @@ def test_decode_prefetch_choice():
         if flag is not None:
             assert got["flag"] is flag, (setting, got["flag"])
         assert len(got["out"]) == len(refs) * len(pyattn._core.available_isas())
+        assert got["paged_differs"] == [], f"paged cache not bit-identical to contiguous ({setting!r})"
         for key, out in got["out"].items():
             name = key.split(" ", 1)[1]
             np.testing.assert_allclose(np.asarray(out), refs[name], rtol=0, atol=3e-6, err_msg=f"{key} {setting!r}")

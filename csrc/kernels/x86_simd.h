@@ -446,7 +446,11 @@ struct VecKernels {
   // a block) confuses the prefetchers and runs at a third of it.
 
   //   s[r*ss] = q_r . k for RB rows q_r (qs apart): each vector of the K row is loaded once for
-  //   all of them; one row keeps two accumulators to halve its FMA chain.
+  //   all of them; one row keeps two accumulators to halve its FMA chain. One row is summed as
+  //   dot_lanes sums it (even vectors, then a last odd one, in the first accumulator; a partial
+  //   last vector in the second; the lanes in sum_lanes's order), so that a query row's scores
+  //   have the same bits whichever loop the decode takes: a paged cache streams key by key where
+  //   a contiguous one may take L keys at a time, and the two must agree bit for bit.
   template <int RB, class S>
   static void dot_block(const T* q, index_t qs, const S* k, index_t n, T* s, index_t ss) {
     constexpr int NA = RB == 1 ? 2 : 1;
@@ -467,11 +471,24 @@ struct VecKernels {
     for (; e < n; e += L) {
       const typename Ops::Mask m = Ops::mask(int(n - e));
       const V kv = load_as_n<Ops>(m, int(n - e), k + e);
+      const int i = n - e < L ? NA - 1 : 0;  // (NA = 1: always 0)
 #pragma GCC unroll 4
-      for (int r = 0; r < RB; ++r) acc[r][0] = Ops::fma(Ops::maskload(m, q + r * qs + e), kv, acc[r][0]);
+      for (int r = 0; r < RB; ++r) acc[r][i] = Ops::fma(Ops::maskload(m, q + r * qs + e), kv, acc[r][i]);
     }
+    if constexpr (RB == 1) {
+      s[0] = reduce_lanes(Ops::add(acc[0][0], acc[0][NA - 1]));
+    } else {
 #pragma GCC unroll 4
-    for (int r = 0; r < RB; ++r) s[r * ss] = Ops::reduce_add(NA == 2 ? Ops::add(acc[r][0], acc[r][NA - 1]) : acc[r][0]);
+      for (int r = 0; r < RB; ++r) s[r * ss] = Ops::reduce_add(acc[r][0]);
+    }
+  }
+
+  //   the sum of v's lanes in the order Ops::sum_lanes adds them, where it has one
+  static T reduce_lanes(V v) {
+    if constexpr (HasSumLanes<Ops>::value)
+      return Ops::reduce_lanes(v);
+    else
+      return Ops::reduce_add(v);
   }
 
   // Whether Ops can reduce L vectors to one vector of their sums at once (Ops::sum_lanes).

@@ -85,6 +85,13 @@ struct OpsF32 {
   static bool any_ge(V a, V b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ)) != 0; }
   static V maskz(Mask m, V v) { return _mm256_and_ps(v, _mm256_castsi256_ps(m)); }
   static T reduce_add(V v) { return hsum_ps(v); }
+  //   the sum of v's lanes in sum_lanes's order, ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)):
+  //   a key's score computed key by key has the bits of the same key's score summed L keys at a time
+  static T reduce_lanes(V v) {
+    v = _mm256_hadd_ps(v, v);
+    v = _mm256_hadd_ps(v, v);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
+  }
   //   lane i of the result = sum of a[i]'s lanes, i < 8: a tree of horizontal adds, then the two
   //   128-bit halves folded (9 instructions for 8 reductions, where hsum_ps takes 6 each)
   PYATTN_ALWAYS_INLINE static V sum_lanes(const V* a) {

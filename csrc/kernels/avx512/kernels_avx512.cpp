@@ -71,6 +71,16 @@ struct OpsF32 {
   static bool any_ge(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ) != 0; }
   static V maskz(Mask m, V v) { return _mm512_maskz_mov_ps(m, v); }
   static T reduce_add(V v) { return _mm512_reduce_add_ps(v); }
+  //   the sum of v's lanes in sum_lanes's order: lanes l and l + 2 of each 128-bit lane, then
+  //   those pairs, then 128-bit lanes 0 + 1 and 2 + 3, then the two (a key's score computed key
+  //   by key has the bits of the same key's score summed L keys at a time)
+  static T reduce_lanes(V v) {
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
+    v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+    v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm512_cvtss_f32(v);
+  }
   //   lane i of the result = sum of a[i]'s lanes, i < 16: pairs, then quads interleaved within
   //   128-bit lanes, then the four 128-bit lanes folded (45 instructions for 16 reductions, where
   //   reduce_add takes ~8 each)

@@ -199,6 +199,11 @@ struct OpsF32 {
     return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(v), keep));
   }
   static T reduce_add(V v) { return vaddvq_f32(v); }
+  //   (v0 + v1) + (v2 + v3), sum_lanes's order, spelled out (vaddvq leaves it to the compiler)
+  static T reduce_lanes(V v) {
+    const V t = vpaddq_f32(v, v);
+    return vgetq_lane_f32(vpaddq_f32(t, t), 0);
+  }
   //   lane i of the result = sum of a[i]'s lanes, i < 4: two rounds of pairwise adds
   static V sum_lanes(const V* a) { return vpaddq_f32(vpaddq_f32(a[0], a[1]), vpaddq_f32(a[2], a[3])); }
   static V exp2(V v) { return exp2_ps(v); }
@@ -273,6 +278,7 @@ struct OpsF64 {
   static bool any_ge(V a, V b) { return vmaxvq_u32(vreinterpretq_u32_u64(vcgeq_f64(a, b))) != 0; }
   static V maskz(Mask m, V v) { return m.n >= L ? v : m.n == 1 ? vsetq_lane_f64(0.0, v, 1) : vdupq_n_f64(0.0); }
   static T reduce_add(V v) { return vaddvq_f64(v); }
+  static T reduce_lanes(V v) { return vgetq_lane_f64(vpaddq_f64(v, v), 0); }
   static V sum_lanes(const V* a) { return vpaddq_f64(a[0], a[1]); }
   static V exp2(V v) { return exp2_pd(v); }
   template <int I>
