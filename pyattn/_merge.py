@@ -57,8 +57,10 @@ def merge_attention_states(outputs, lses, *, out=None):
     ``softmax_lse`` is too); FlashInfer's ``merge_state`` works in base 2, so convert its lse with
     ``lse * np.log(2)`` first. A state with ``lse_n = -inf`` (no visible key) contributes nothing,
     whatever its output holds; when every state is empty the output is zeros and the lse
-    ``-inf``. NaN propagates. With ``sinks``, give the sinks to one of the calls only: each sink
-    must be counted once in the union.
+    ``-inf``. A state with ``lse_n = +inf`` (a ``+inf`` sink) takes all the weight: the row is its
+    output and the lse ``+inf``, as the call over the union gives (with two such states the row is
+    NaN). NaN propagates. With ``sinks``, give the sinks to one of the calls only: each sink must
+    be counted once in the union.
 
     The weights and the sum are computed in float64; the results have the promoted dtype of the
     inputs (float32 stays float32, float16 computes as float32). ``out`` receives the output:
@@ -125,10 +127,25 @@ def _merge(outs, ls, lead: tuple, lq: int, ev: int, dtype, out=None):
     )  # fmt: skip
     if not np.may_share_memory(target, res):  # an out= whose layout needed a copy
         res[...] = target.reshape(shape)
+    _take_infinite(outs, ls, lead, lq, res, lse)
     if apart:
         out[...] = res
         res = out
     return res, lse
+
+
+def _take_infinite(outs, ls, lead: tuple, lq: int, res: np.ndarray, lse: np.ndarray) -> None:
+    """Rows where one state has lse +inf (a +inf sink, which takes all the weight: zeros and lse
+    +inf) are that state's output, the limit of the formula, whose exp(inf - inf) is NaN; with
+    two or more such states the weights are undefined and the row stays NaN."""
+    inf = [np.isposinf(x) for x in ls]
+    if not any(x.any() for x in inf):
+        return
+    one = np.broadcast_to(sum(x.astype(np.int64) for x in inf), lead + (lq,)) == 1
+    for o, x in zip(outs, inf):
+        take = one & x
+        if take.any():
+            res[take] = np.broadcast_to(o, lead + (lq, res.shape[-1]))[take]
 
 
 def merge_states_f64(outputs, lses, dtype):

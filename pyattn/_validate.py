@@ -210,6 +210,8 @@ def window_sides(window) -> tuple:
     """``window=(left, right)`` as the core's two sides (``NO_LIMIT`` for None); None is no window."""
     if window is None:
         return NO_LIMIT, NO_LIMIT
+    if isinstance(window, (set, frozenset, dict)):  # two sides but no order between them
+        raise TypeError(f"window must be an ordered pair (left, right), a tuple or list; got {window!r}")
     try:
         left, right = window
     except (TypeError, ValueError):

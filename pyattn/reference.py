@@ -85,6 +85,8 @@ def causal_mask(lq, lk, causal_align="top_left"):
 def _check_window(window):
     if window is None:
         return None
+    if isinstance(window, (set, frozenset, dict)):  # two sides but no order between them
+        raise TypeError(f"window must be an ordered pair (left, right), a tuple or list; got {window!r}")
     if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
         raise ValueError(f"window must be a pair (left, right) of ints >= 0 or None; got {window!r}")
     sides = []
@@ -135,11 +137,13 @@ def _kv_lens(x, lead, lk):
 
 
 def logsumexp(scores, axis=-1):
-    """log(sum(exp(scores))) along ``axis``; -inf for rows that are all -inf (or empty)."""
+    """log(sum(exp(scores))) along ``axis``; -inf for rows that are all -inf (or empty), +inf for
+    rows holding +inf."""
     scores = _f64(scores)
     m = np.max(scores, axis=axis, keepdims=True, initial=-np.inf)
-    m_safe = np.where(np.isneginf(m), 0.0, m)
-    s = np.sum(np.exp(scores - m_safe), axis=axis, keepdims=True)
+    m_safe = np.where(np.isinf(m), 0.0, m)
+    with np.errstate(over="ignore"):  # beside a +inf score (a row whose sum is +inf anyway)
+        s = np.sum(np.exp(scores - m_safe), axis=axis, keepdims=True)
     with np.errstate(divide="ignore"):
         lse = m_safe + np.log(s)
     return np.squeeze(lse, axis=axis)
@@ -321,7 +325,9 @@ def merge_attention_states(outputs, lses):
         output = sum_n exp(lse_n - lse) * output_n
 
     A state with lse_n = -inf (no visible key) contributes nothing; if all are empty the
-    output is zeros and lse -inf.  Returns (output, lse) in float64.
+    output is zeros and lse -inf. A state with lse_n = +inf (a +inf sink) takes all the weight,
+    the formula's limit: its output, lse +inf (two such states: NaN).  Returns (output, lse) in
+    float64.
     """
     outs = [_f64(o) for o in outputs]
     ls = [_f64(x) for x in lses]
@@ -329,9 +335,13 @@ def merge_attention_states(outputs, lses):
     lse_safe = np.where(np.isneginf(lse), 0.0, lse)
     out = 0.0
     for o, x in zip(outs, ls):
-        w = np.exp(x - lse_safe)[..., None]
+        with np.errstate(invalid="ignore"):  # inf - inf beside a +inf state, replaced below
+            w = np.exp(x - lse_safe)[..., None]
         with np.errstate(invalid="ignore"):  # 0 * inf in an empty state, discarded
             out = out + np.where(np.isneginf(x)[..., None], 0.0, w * o)  # empty: contributes nothing
+    n_inf = sum(np.isposinf(x).astype(np.int64) for x in ls)
+    for o, x in zip(outs, ls):
+        out = np.where((np.isposinf(x) & (n_inf == 1))[..., None], o, out)
     return out, lse
 
 

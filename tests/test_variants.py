@@ -617,20 +617,44 @@ def test_merge_nan_propagates(isa, rng):
 
 
 def test_merge_inf_lse_and_empty_ev(isa, rng):
-    """A +inf lse (an overflowed state) gives lse +inf and a NaN row, as the formula does; Ev = 0
-    still merges the lses."""
+    """A +inf lse (a +inf sink) takes all the weight: the row is that state's output and the lse
+    +inf, the formula's limit (its exp(inf - inf) is NaN); two +inf states leave the row NaN.
+    The reference agrees; Ev = 0 still merges the lses."""
     outs, lses = random_states(rng, 3, (2,), 4, 3, p_empty=0.0)
     lses[1, 0, 2] = np.inf
+    lses[0, 1, 1] = lses[2, 1, 1] = np.inf
     o, l = merge(outs, lses)
-    assert l[0, 2] == np.inf and np.isnan(o[0, 2]).all()
+    assert l[0, 2] == np.inf and l[1, 1] == np.inf
+    np.testing.assert_array_equal(o[0, 2], outs[1, 0, 2])
+    assert np.isnan(o[1, 1]).all()
     keep = np.ones(o.shape[:-1], bool)
-    keep[0, 2] = False
+    keep[1, 1] = False
     with np.errstate(invalid="ignore"):
         want_o, want_l = reference.merge_attention_states(outs, lses)
+    assert np.isnan(want_o[1, 1]).all()
     assert_close(o[keep], want_o[keep], tol=1e-13)
+    np.testing.assert_array_equal(want_o[0, 2], outs[1, 0, 2])
     o0, l0 = merge(outs[..., :0], lses)
     assert o0.shape == (2, 4, 0)
     assert_close(l0[keep], want_l[keep], tol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_merge_of_a_shard_with_an_infinite_sink(isa, rng, dtype):
+    """Keys split in two, the +inf sink (and a finite one on another head) given to one shard:
+    the merge gives what the call over all keys gives, zeros and lse +inf on the +inf head."""
+    q, k, v = randn(rng, (2, 3, 8), dtype), randn(rng, (2, 10, 8), dtype), randn(rng, (2, 10, 4), dtype)
+    sinks = np.array([np.inf, 0.5])
+    whole, whole_lse = pyattn.scaled_dot_product_attention(q, k, v, sinks=sinks, return_lse=True)
+    a = pyattn.scaled_dot_product_attention(q, k[:, :4], v[:, :4], sinks=sinks, return_lse=True)
+    b = pyattn.scaled_dot_product_attention(q, k[:, 4:], v[:, 4:], return_lse=True)
+    o, lse = pyattn.merge_attention_states([a[0], b[0]], [a[1], b[1]])
+    assert (whole[0] == 0).all() and (whole_lse[0] == np.inf).all()
+    np.testing.assert_array_equal(o[0], whole[0])
+    np.testing.assert_array_equal(lse[0], whole_lse[0])
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(o[1], whole[1], rtol=tol, atol=tol)
+    np.testing.assert_allclose(lse[1], whole_lse[1], rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -1155,8 +1179,8 @@ def test_errors_window_negative(impl, window):
 
 
 @impl_param
-@pytest.mark.parametrize("window", [5, (1,), (1, 2, 3), "ab", (1.5, 0), (0, True)],
-                         ids=["int", "one", "three", "str", "float_side", "bool_side"])  # fmt: skip
+@pytest.mark.parametrize("window", [5, (1,), (1, 2, 3), "ab", (1.5, 0), (0, True), {1, 2}, {1: 2, 3: 4}],
+                         ids=["int", "one", "three", "str", "float_side", "bool_side", "set", "dict"])  # fmt: skip
 def test_errors_window_not_a_pair(impl, window):
     with pytest.raises((TypeError, ValueError), match="window"):
         IMPLS[impl](Q, K, V, window=window)
