@@ -665,12 +665,14 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
       Py_RETURN_NONE;
     if (kv && !(storable(kn, B, Hkv, Lq, E, kv) && storable(vn, B, Hkv, Lq, Ev, kv))) Py_RETURN_NONE;
     // What is written (the caches, an int8 cache's scales) overlaps nothing else written, nor
-    // what is read while writing: the new rows, the lengths, the table.
+    // what is read while writing or after it: the new rows, the lengths, the table, the query
+    // (a query viewing the slots written would be read as overwritten: the Python path reads a
+    // copy taken first).
     const View* written[] = {&kc, &vc, &ks, &vs};
     for (int i = 0; i < 4; ++i) {
       const View& w = *written[i];
       if (!w.data) continue;  // no scales
-      bool clash = overlap(kn, w) || overlap(vn, w) || overlap(w, lens_data, B, lens_s, 8) ||
+      bool clash = overlap(kn, w) || overlap(vn, w) || overlap(q, w) || overlap(w, lens_data, B, lens_s, 8) ||
                    (paged && overlap(w, table, B * tcols, 1, 4));
       for (int j = 0; j < i; ++j) clash = clash || (written[j]->data && overlap(w, *written[j]));
       if (clash) Py_RETURN_NONE;
@@ -707,7 +709,11 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
   if (!factors_fit(scale, 0.0, q.typenum == kFloat32)) Py_RETURN_NONE;  // (_validate.kernel_factors)
 
   return guarded([&]() -> PyObject* {
-    // Every check is done: only now is anything written.
+    // Every check is done, and the results are allocated (a MemoryError leaves the cache as it
+    // was): only now is anything written.
+    const Py_ssize_t dims[4] = {Py_ssize_t(B), Py_ssize_t(Hq), Py_ssize_t(Lq), Py_ssize_t(Ev)};
+    py::object out = new_array(q.typenum, 4, dims);
+    py::object lse = want_lse ? new_array(q.typenum, 3, dims) : py::none();
     if (append) {
       auto put = [&](const View& src, const View& dst, const View& sc, index_t n) {
         for (index_t b = 0; b < B; ++b)
@@ -729,13 +735,9 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
       put(kn, kc, ks, E);
       put(vn, vc, vs, Ev);
     }
-    const Py_ssize_t dims[4] = {Py_ssize_t(B), Py_ssize_t(Hq), Py_ssize_t(Lq), Py_ssize_t(Ev)};
-    py::object out = new_array(q.typenum, 4, dims);
     char* out_data = static_cast<char*>(data_of(out));
     std::memset(out_data, 0, std::size_t(B * Hq * Lq * Ev) * std::size_t(q.itemsize));
-    py::object lse = py::none();
     if (want_lse) {
-      lse = new_array(q.typenum, 3, dims);
       char* l = static_cast<char*>(data_of(lse));
       for (index_t i = 0; i < B * Hq * Lq; ++i) {
         if (q.typenum == kFloat32)

@@ -267,6 +267,7 @@ def _cache_attention(
         check_out(out, (B, Hq, Lq, Ev), dtype)
     scale = scale_value(scale, E)
     kernel_factors(scale, cap, dtype)
+    written_arrays = (k_cache, v_cache, k_scale, v_scale)
     if counts is not None:
         written = [(k_cache, "k_cache"), (v_cache, "v_cache")]
         if kv_type == 3:
@@ -276,13 +277,6 @@ def _cache_attention(
             for c2, name2 in written[:i]:  # one write would land on the other's (exactly: interleaved K/V are fine)
                 if _share_elements(c, c2):
                     raise ValueError(f"{name} and {name2} share memory; new tokens are written into both")
-
-    # Every check is done: only now is anything written.
-    if counts is not None:
-        staged_k = _stage(k_cache, k_scale if kv_type == 3 else None, table, kl, lens, kn, counts)
-        staged_v = _stage(v_cache, v_scale if kv_type == 3 else None, table, vl, lens, vn, counts)
-        _commit(k_cache, k_scale, staged_k)
-        _commit(v_cache, v_scale, staged_v)
 
     ragged = counts is not None and new_lens is not None
     result = np.zeros((B, Hq, Lq, Ev), dtype) if (ragged or out is None) else None
@@ -295,6 +289,16 @@ def _cache_attention(
     ):
         target = np.zeros((B, Hq, Lq, Ev), dtype)
     lse = np.full((B, Hq, Lq), -np.inf, dtype) if return_lse else None
+    if counts is not None and any(c is not None and np.may_share_memory(q, c) for c in (*written_arrays,)):
+        q = np.array(q)  # a query viewing the slots written: the call reads it as it was given
+
+    # Every check is done and the results are allocated (a MemoryError leaves the cache as it
+    # was): only now is anything written.
+    if counts is not None:
+        staged_k = _stage(k_cache, k_scale if kv_type == 3 else None, table, kl, lens, kn, counts)
+        staged_v = _stage(v_cache, v_scale if kv_type == 3 else None, table, vl, lens, vn, counts)
+        _commit(k_cache, k_scale, staged_k)
+        _commit(v_cache, v_scale, staged_v)
     bh = B * Hq
     if bh and Lq:
         qb = unit_last(np.asarray(q, dtype))

@@ -589,6 +589,39 @@ def test_bad_input_raises_and_leaves_cache_unchanged(layout, cdt, change, exc, m
         assert np.array_equal(x.view(np.uint8), x0.view(np.uint8)), "the cache was modified by a failing call"
 
 
+@pytest.mark.parametrize("path", ["fast", "general"])
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_output_that_cannot_be_allocated_leaves_cache_unchanged(layout, path, rng):
+    """A call whose output cannot be allocated (a query broadcast to 2**40 heads: 32 TiB) raises
+    MemoryError before it writes the new tokens, on the compiled path and the Python one (a
+    window of (None, None) takes the latter)."""
+    a = _base(layout, "float32", rng, Lq=1)
+    a["query"] = np.broadcast_to(a["query"][:, :1], (2, 2**40, 1, 8))
+    kw = {} if path == "fast" else {"window": (None, None)}
+    before = [a[k].copy() for k in ("k_cache", "v_cache")]
+    with pytest.raises(MemoryError):
+        pyattn.kvcache_attention(**a, **kw)
+    for k, x0 in zip(("k_cache", "v_cache"), before):
+        assert np.array_equal(a[k].view(np.uint8), x0.view(np.uint8)), f"{k} written by a call that raised"
+
+
+@pytest.mark.parametrize("path", ["fast", "general"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_query_viewing_the_written_slots_is_read_as_given(dtype, path, rng):
+    """A query that is a view of the cache slots the call writes attends as the query it was
+    when passed (the compiled path leaves such a call to the Python one, which reads a copy),
+    not as the new tokens written over it."""
+    B, H, E, Lq = 2, 2, 8, 3
+    kc, vc = randn(rng, (B, H, 16, E), dtype), randn(rng, (B, H, 16, E), dtype)
+    kn, vn = randn(rng, (B, H, Lq, E), dtype), randn(rng, (B, H, Lq, E), dtype)
+    lens = np.array([4, 4])
+    kw = {} if path == "fast" else {"window": (None, None)}
+    want = pyattn.kvcache_attention(kc[:, :, 4:7].copy(), kc.copy(), vc.copy(), lens, k_new=kn, v_new=vn, **kw)
+    got = pyattn.kvcache_attention(kc[:, :, 4:7], kc, vc, lens, k_new=kn, v_new=vn, **kw)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(kc[:, :, 4:7], kn)  # and the new tokens were written
+
+
 def test_bad_input_boundaries_are_accepted(rng):
     """Exactly full caches, -1 past the needed blocks and read-only caches without k_new are accepted."""
     a = _base("contiguous", "float32", rng)
