@@ -81,6 +81,18 @@ def test_matmul_panel_orders(isa, dtype, threads, m, k, n, a_layout, rng):
 
 
 @dtype_param
+@pytest.mark.parametrize("m,k,n", [(515, 600, 64), (333, 517, 129), (64, 2048, 96), (1, 4000, 300)])
+def test_matmul_threads_give_identical_bits(isa, dtype, m, k, n, rng):
+    """The product splits over rows and columns, never over k: 1, 2 and 3 threads give the same bits."""
+    a, b = randn(rng, (m, k), dtype), randn(rng, (k, n), dtype)
+    with pyattn.num_threads(1):
+        want = pyattn.matmul(a, b)
+    for t in (2, 3):
+        with pyattn.num_threads(t):
+            np.testing.assert_array_equal(pyattn.matmul(a, b), want, err_msg=f"{t} threads")
+
+
+@dtype_param
 @pytest.mark.parametrize("m,n", [(1, 1), (3, 5), (17, 33), (64, 1)])
 def test_matmul_k0(isa, dtype, m, n):
     a, b = np.ones((m, 0), dtype), np.ones((0, n), dtype)

@@ -795,11 +795,15 @@ def test_threads_agree(isa, dtype, lq, lk, hq, hkv, rng):
     v = randn(rng, (1, hkv, lk, 40), dtype)
     kw = dict(enable_gqa=True, is_causal=True, causal_align="bottom_right", return_lse=True)
     want = ref_sdpa(q, k, v, **kw)
+    first = None
     for n in (1, 2, 3):
         with pyattn.num_threads(n):
             got = sdpa(q, k, v, **kw)
         for name, g, w in zip(["output", "lse"], got, want):
             assert_close(g, w, dtype, what=f"{name} with {n} threads")
+        first = got if first is None else first
+        for name, g, g1 in zip(["output", "lse"], got, first):  # the work splits alike for any count
+            np.testing.assert_array_equal(g, g1, err_msg=f"{name} with {n} threads differs from 1 thread's")
 
 
 # --------------------------------------------------------------------------- tiny weights
