@@ -19,6 +19,8 @@ Test names say what they exercise, for ``-k``:
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from _helpers import assert_close, randn
@@ -589,6 +591,9 @@ def test_bad_input_raises_and_leaves_cache_unchanged(layout, cdt, change, exc, m
         assert np.array_equal(x.view(np.uint8), x0.view(np.uint8)), "the cache was modified by a failing call"
 
 
+@pytest.mark.skipif(
+    os.environ.get("PYATTN_SANITIZED") == "1", reason="ASan aborts on an allocation past its maximum size"
+)
 @pytest.mark.parametrize("path", ["fast", "general"])
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
 def test_output_that_cannot_be_allocated_leaves_cache_unchanged(layout, path, rng):
