@@ -289,7 +289,7 @@ def _cache_attention(
     ):
         target = np.zeros((B, Hq, Lq, Ev), dtype)
     lse = np.full((B, Hq, Lq), -np.inf, dtype) if return_lse else None
-    if counts is not None and any(c is not None and np.may_share_memory(q, c) for c in (*written_arrays,)):
+    if counts is not None and any(c is not None and np.may_share_memory(q, c) for c in written_arrays):
         q = np.array(q)  # a query viewing the slots written: the call reads it as it was given
 
     # Every check is done and the results are allocated (a MemoryError leaves the cache as it

@@ -115,6 +115,7 @@ def _merge(outs, ls, lead: tuple, lq: int, ev: int, dtype, out=None):
     l_rows = [_rows(np.broadcast_to(np.asarray(x, _F64), lead + (lq,))[..., None], rows, 1) for x in ls]
     # An out= over memory the states also use is written row by row while they are read: safe
     # only where it is that very state, element for element; otherwise computed apart, copied in.
+    infinite = _infinite_rows(outs, ls, lead, lq, ev)  # (read before an out= over a state is written)
     apart = out is not None and any(
         np.may_share_memory(out, x) and not (x.shape == shape and same_layout(out, x)) for x in (*outs, *ls)
     )
@@ -127,25 +128,28 @@ def _merge(outs, ls, lead: tuple, lq: int, ev: int, dtype, out=None):
     )  # fmt: skip
     if not np.may_share_memory(target, res):  # an out= whose layout needed a copy
         res[...] = target.reshape(shape)
-    _take_infinite(outs, ls, lead, lq, res, lse)
+    for take, rows in infinite:
+        res[take] = rows
     if apart:
         out[...] = res
         res = out
     return res, lse
 
 
-def _take_infinite(outs, ls, lead: tuple, lq: int, res: np.ndarray, lse: np.ndarray) -> None:
-    """Rows where one state has lse +inf (a +inf sink, which takes all the weight: zeros and lse
-    +inf) are that state's output, the limit of the formula, whose exp(inf - inf) is NaN; with
-    two or more such states the weights are undefined and the row stays NaN."""
+def _infinite_rows(outs, ls, lead: tuple, lq: int, ev: int) -> list:
+    """[(rows, their output)]: rows where one state has lse +inf (a +inf sink, which takes all the
+    weight: zeros and lse +inf) are that state's output, the formula's limit (its exp(inf - inf)
+    is NaN); with two or more such states the weights are undefined and the row stays NaN."""
     inf = [np.isposinf(x) for x in ls]
     if not any(x.any() for x in inf):
-        return
+        return []
     one = np.broadcast_to(sum(x.astype(np.int64) for x in inf), lead + (lq,)) == 1
+    taken = []
     for o, x in zip(outs, inf):
         take = one & x
         if take.any():
-            res[take] = np.broadcast_to(o, lead + (lq, res.shape[-1]))[take]
+            taken.append((take, np.broadcast_to(o, lead + (lq, ev))[take]))  # (a copy)
+    return taken
 
 
 def merge_states_f64(outputs, lses, dtype):

@@ -634,6 +634,12 @@ def test_merge_inf_lse_and_empty_ev(isa, rng):
     assert np.isnan(want_o[1, 1]).all()
     assert_close(o[keep], want_o[keep], tol=1e-13)
     np.testing.assert_array_equal(want_o[0, 2], outs[1, 0, 2])
+    # out= the +inf state itself: its row is read before the merge writes over it
+    into = outs[1].copy()
+    states = [outs[0], into, outs[2]]
+    o2, _ = merge(states, lses, out=into)
+    assert o2 is into
+    np.testing.assert_array_equal(o2[0, 2], outs[1, 0, 2])
     o0, l0 = merge(outs[..., :0], lses)
     assert o0.shape == (2, 4, 0)
     assert_close(l0[keep], want_l[keep], tol=1e-13)
