@@ -267,7 +267,6 @@ def _cache_attention(
         check_out(out, (B, Hq, Lq, Ev), dtype)
     scale = scale_value(scale, E)
     kernel_factors(scale, cap, dtype)
-    written_arrays = (k_cache, v_cache, k_scale, v_scale)
     if counts is not None:
         written = [(k_cache, "k_cache"), (v_cache, "v_cache")]
         if kv_type == 3:
@@ -289,7 +288,7 @@ def _cache_attention(
     ):
         target = np.zeros((B, Hq, Lq, Ev), dtype)
     lse = np.full((B, Hq, Lq), -np.inf, dtype) if return_lse else None
-    if counts is not None and any(c is not None and np.may_share_memory(q, c) for c in written_arrays):
+    if counts is not None and any(np.may_share_memory(q, c) for c, _ in written):
         q = np.array(q)  # a query viewing the slots written: the call reads it as it was given
 
     # Every check is done and the results are allocated (a MemoryError leaves the cache as it

@@ -116,18 +116,8 @@ def _merge(states, dtype):
     the outputs (to the computation's dtype)."""
     if len(states) == 1:
         return states[0]
-    outs, lses = [s[0] for s in states], [np.asarray(s[1]) for s in states]
-    inf = [np.isposinf(x) for x in lses]
-    if not any(x.any() for x in inf):
-        return merge_states_f64(outs, lses, dtype)
-    # A state of lse +inf (a +inf sink) takes all the weight, as in the NumPy function: its rows
-    # as they are; the merge would read exp(inf - inf) as NaN.
-    out, lse = merge_states_f64(outs, [np.where(x, -np.inf, lv) for x, lv in zip(inf, lses)], dtype)
-    for o, x in zip(outs, inf):
-        if x.any():
-            out = np.where(x[..., None], o, out).astype(out.dtype, copy=False)
-            lse = np.where(x, np.inf, lse)
-    return out, lse
+    # (a state of lse +inf, a +inf sink, takes all the weight there as in the NumPy function)
+    return merge_states_f64([s[0] for s in states], [np.asarray(s[1]) for s in states], dtype)
 
 
 def _attend(q, k, v, m, d, slopes, kv_lens, p: "_Piece"):

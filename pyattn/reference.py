@@ -335,9 +335,9 @@ def merge_attention_states(outputs, lses):
     lse_safe = np.where(np.isneginf(lse), 0.0, lse)
     out = 0.0
     for o, x in zip(outs, ls):
-        with np.errstate(invalid="ignore"):  # inf - inf beside a +inf state, replaced below
+        # (invalid: inf - inf beside a +inf state, replaced below; 0 * inf in an empty state, discarded)
+        with np.errstate(invalid="ignore"):
             w = np.exp(x - lse_safe)[..., None]
-        with np.errstate(invalid="ignore"):  # 0 * inf in an empty state, discarded
             out = out + np.where(np.isneginf(x)[..., None], 0.0, w * o)  # empty: contributes nothing
     n_inf = sum(np.isposinf(x).astype(np.int64) for x in ls)
     for o, x in zip(outs, ls):

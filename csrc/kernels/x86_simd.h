@@ -4,7 +4,8 @@
 //
 // Ops provides: T, V (vector), Mask, L (lanes); mask(n) for lanes [0, n); load, maskload,
 // store, maskstore, set1, zero, add, sub, mul, div, max, fma, abs, copysign, select_lt (a < b ?
-// x : y), maskz (zero the lanes outside a mask), reduce_add and exp2; the float Ops also load
+// x : y), maskz (zero the lanes outside a mask), reduce_add (in sum_lanes's order where an Ops
+// has sum_lanes, so one row's dot product has the same bits in every decode loop) and exp2; the float Ops also load
 // half-precision rows (load_f16 / load_bf16 and their _n forms for the first n lanes). Every intrinsic lives in the Ops
 // structs of kernels_<isa>.cpp; nothing here names one, so a float and a double kernel, or an AVX2 and an AVX-512 one,
 // are the same schedule on different vectors.
@@ -448,7 +449,7 @@ struct VecKernels {
   //   s[r*ss] = q_r . k for RB rows q_r (qs apart): each vector of the K row is loaded once for
   //   all of them; one row keeps two accumulators to halve its FMA chain. One row is summed as
   //   dot_lanes sums it (even vectors, then a last odd one, in the first accumulator; a partial
-  //   last vector in the second; the lanes in sum_lanes's order), so that a query row's scores
+  //   last vector in the second; Ops::reduce_add adds the lanes in sum_lanes's order), so that a query row's scores
   //   have the same bits whichever loop the decode takes: a paged cache streams key by key where
   //   a contiguous one may take L keys at a time, and the two must agree bit for bit.
   template <int RB, class S>
@@ -475,20 +476,8 @@ struct VecKernels {
 #pragma GCC unroll 4
       for (int r = 0; r < RB; ++r) acc[r][i] = Ops::fma(Ops::maskload(m, q + r * qs + e), kv, acc[r][i]);
     }
-    if constexpr (RB == 1) {
-      s[0] = reduce_lanes(Ops::add(acc[0][0], acc[0][NA - 1]));
-    } else {
 #pragma GCC unroll 4
-      for (int r = 0; r < RB; ++r) s[r * ss] = Ops::reduce_add(acc[r][0]);
-    }
-  }
-
-  //   the sum of v's lanes in the order Ops::sum_lanes adds them, where it has one
-  static T reduce_lanes(V v) {
-    if constexpr (HasSumLanes<Ops>::value)
-      return Ops::reduce_lanes(v);
-    else
-      return Ops::reduce_add(v);
+    for (int r = 0; r < RB; ++r) s[r * ss] = Ops::reduce_add(NA == 2 ? Ops::add(acc[r][0], acc[r][NA - 1]) : acc[r][0]);
   }
 
   // Whether Ops can reduce L vectors to one vector of their sums at once (Ops::sum_lanes).

@@ -44,10 +44,13 @@ static inline __m256d exp2_pd(__m256d x) {
 }
 
 // Horizontal sums (no single instruction on AVX2).
+//   ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)): sum_lanes's order, so that a key's score
+//   summed key by key has the bits of the same score summed L keys at a time (single-uop
+//   shuffles: two vhaddps, 3-4 uops each, made the streamed key-by-key decode 3-6% slower)
 static inline float hsum_ps(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  v = _mm256_add_ps(v, _mm256_movehdup_ps(v));                          // v0 + v1, v2 + v3 per half
+  v = _mm256_add_ps(v, _mm256_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));  // (v0 + v1) + (v2 + v3)
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
 }
 static inline double hsum_pd(__m256d v) {
   __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
@@ -85,15 +88,6 @@ struct OpsF32 {
   static bool any_ge(V a, V b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ)) != 0; }
   static V maskz(Mask m, V v) { return _mm256_and_ps(v, _mm256_castsi256_ps(m)); }
   static T reduce_add(V v) { return hsum_ps(v); }
-  //   the sum of v's lanes in sum_lanes's order, ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)):
-  //   a key's score computed key by key has the bits of the same key's score summed L keys at a time
-  //   (single-uop shuffles: two vhaddps, 3-4 uops each, made the streamed key-by-key decode
-  //   3-6% slower than hsum_ps)
-  static T reduce_lanes(V v) {
-    v = _mm256_add_ps(v, _mm256_movehdup_ps(v));                          // v0 + v1, v2 + v3 per half
-    v = _mm256_add_ps(v, _mm256_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));  // (v0 + v1) + (v2 + v3)
-    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
-  }
   //   lane i of the result = sum of a[i]'s lanes, i < 8: a tree of horizontal adds, then the two
   //   128-bit halves folded (9 instructions for 8 reductions, where hsum_ps takes 6 each)
   PYATTN_ALWAYS_INLINE static V sum_lanes(const V* a) {

@@ -70,11 +70,10 @@ struct OpsF32 {
   static V select_lt(V a, V b, V x, V y) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x); }
   static bool any_ge(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ) != 0; }
   static V maskz(Mask m, V v) { return _mm512_maskz_mov_ps(m, v); }
-  static T reduce_add(V v) { return _mm512_reduce_add_ps(v); }
-  //   the sum of v's lanes in sum_lanes's order: lanes l and l + 2 of each 128-bit lane, then
-  //   those pairs, then 128-bit lanes 0 + 1 and 2 + 3, then the two (a key's score computed key
-  //   by key has the bits of the same key's score summed L keys at a time)
-  static T reduce_lanes(V v) {
+  //   the sum of v's lanes in sum_lanes's order (lanes l and l + 2 of each 128-bit lane, then
+  //   those pairs, then 128-bit lanes 0 + 1 and 2 + 3, then the two), so that a key's score summed
+  //   key by key has the bits of the same score summed L keys at a time
+  static T reduce_add(V v) {
     v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));
     v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
     v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));

@@ -198,9 +198,8 @@ struct OpsF32 {
     const uint32x4_t keep = vcltq_u32(vld1q_u32(iota), vdupq_n_u32(std::uint32_t(m.n)));
     return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(v), keep));
   }
-  static T reduce_add(V v) { return vaddvq_f32(v); }
   //   (v0 + v1) + (v2 + v3), sum_lanes's order, spelled out (vaddvq leaves it to the compiler)
-  static T reduce_lanes(V v) {
+  static T reduce_add(V v) {
     const V t = vpaddq_f32(v, v);
     return vgetq_lane_f32(vpaddq_f32(t, t), 0);
   }
@@ -277,8 +276,7 @@ struct OpsF64 {
   static V select_lt(V a, V b, V x, V y) { return vbslq_f64(vcltq_f64(a, b), x, y); }
   static bool any_ge(V a, V b) { return vmaxvq_u32(vreinterpretq_u32_u64(vcgeq_f64(a, b))) != 0; }
   static V maskz(Mask m, V v) { return m.n >= L ? v : m.n == 1 ? vsetq_lane_f64(0.0, v, 1) : vdupq_n_f64(0.0); }
-  static T reduce_add(V v) { return vaddvq_f64(v); }
-  static T reduce_lanes(V v) { return vgetq_lane_f64(vpaddq_f64(v, v), 0); }
+  static T reduce_add(V v) { return vgetq_lane_f64(vpaddq_f64(v, v), 0); }  // (sum_lanes's order)
   static V sum_lanes(const V* a) { return vpaddq_f64(a[0], a[1]); }
   static V exp2(V v) { return exp2_pd(v); }
   template <int I>
