@@ -2,7 +2,8 @@
 per K/V head, with their float64 references (tests/test_config.py runs them in subprocesses under
 each PYATTN_DECODE_PREFETCH setting). Key rows of at most 128 bytes (float16 D64, int8 D128) take
 several keys at a time under every setting; the longer ones (float32 D128, float16 D128, int8
-D256) follow the setting."""
+D256) follow the setting. "float16 grouped": six query rows per K/V head (four, then two, a few
+keys at a time on AVX-512, key by key elsewhere), under every setting."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def decode_cases():
     n8 = np.array([32800])
     # short rows: float16 D64 (128 B a row), and int8 D256 (256 B) for int8's key-by-key loop
     qs, ql = (rng.standard_normal((1, 4, 1, d), dtype=np.float32) for d in (64, 256))
+    qg = rng.standard_normal((1, 24, 1, 128), dtype=np.float32)  # grouped: six rows per K/V head
     ks16, vs16 = (rng.standard_normal((1, 4, 32800, 64), dtype=np.float32).astype(np.float16) for _ in range(2))
     kl, vl = (rng.integers(-127, 128, (1, 4, 16400, 256), dtype=np.int8) for _ in range(2))
     ksl, vsl = (rng.uniform(0.005, 0.02, (1, 4, 16400)).astype(np.float32) for _ in range(2))
@@ -47,6 +49,10 @@ def decode_cases():
         "float16": (
             lambda: pyattn.scaled_dot_product_attention(q, kh, vh),
             lambda: ref.scaled_dot_product_attention(f64(q), f64(kh), f64(vh)),
+        ),
+        "float16 grouped": (
+            lambda: pyattn.scaled_dot_product_attention(qg, kh, vh, enable_gqa=True),
+            lambda: ref.scaled_dot_product_attention(f64(qg), f64(kh), f64(vh), enable_gqa=True),
         ),
         "int8": (
             lambda: pyattn.kvcache_attention(q, ki, vi, n8, k_scale=ks, v_scale=vs),
@@ -69,18 +75,20 @@ def paged_twins():
     through different loops (key by key, or several keys at a time); each pair must agree bit for
     bit (output and lse). Rows of 512 bytes (float32 D128: the loop follows
     PYATTN_DECODE_PREFETCH), 128 (float16 D64 and int8 D128: several keys at a time when
-    contiguous) and 400 (float32 D100: a partial vector at the end of every row)."""
+    contiguous) and 400 (float32 D100: a partial vector at the end of every row); and six query
+    rows per K/V head over float16 D128 (grouped, a task reading several heads of a block)."""
     rng = np.random.default_rng(7)
     H, bs = 4, 16
     twins = {}
-    for name, dt, D, L in (
-        ("float32 D128", np.float32, 128, 8200),
-        ("float16 D64", np.float16, 64, 32800),
-        ("float32 D100", np.float32, 100, 5300),
-        ("int8 D128", np.int8, 128, 16400),
+    for name, dt, D, L, group in (
+        ("float32 D128", np.float32, 128, 8200, 1),
+        ("float16 D64", np.float16, 64, 32800, 1),
+        ("float32 D100", np.float32, 100, 5300, 1),
+        ("int8 D128", np.int8, 128, 16400, 1),
+        ("float16 D128 grouped", np.float16, 128, 16400, 6),
     ):
         nb = -(-L // bs)
-        q = rng.standard_normal((1, H, 1, D), dtype=np.float32)
+        q = rng.standard_normal((1, H * group, 1, D), dtype=np.float32)
         if dt == np.int8:
             k, v = (rng.integers(-127, 128, (1, H, nb * bs, D), dtype=np.int8) for _ in range(2))
             ks, vs = (rng.uniform(0.005, 0.02, (1, H, nb * bs)).astype(np.float32) for _ in range(2))

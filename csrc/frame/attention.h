@@ -42,6 +42,15 @@ template <class K>
 struct prefetch_cached_rows<K, std::void_t<decltype(K::kPrefetchCachedRows)>>
     : std::integral_constant<bool, K::kPrefetchCachedRows> {};
 
+// Whether the kernel set's grouped decode rows over float16 / bfloat16 K/V streamed from memory
+// take L / 4 keys at a time, as int8 rows do (K::kGroupedHalfKeys, decode_block); false (key by
+// key) where a set does not say.
+template <class K, class = void>
+struct grouped_half_keys : std::false_type {};
+template <class K>
+struct grouped_half_keys<K, std::void_t<decltype(K::kGroupedHalfKeys)>>
+    : std::integral_constant<bool, K::kGroupedHalfKeys> {};
+
 template <class K, class KV = typename K::T>
 struct Attention {
   using T = typename K::T;
@@ -1058,14 +1067,15 @@ struct Attention {
     // Lk4096 D128, one thread: 23.4 ns a key with them, 16.0 without).
     // Streamed from memory, the key-by-key loop is faster for float rows on the AMD cores timed
     // (L keys at a time measured 1.10-1.15x slower on one thread, H32 Lk4096 D128; L / 4 keys of
-    // grouped rows 1.24-1.55x, Hkv8 Lk32768 D128; the cause was not found; Zen 3's single rows:
-    // decode_prefetch_streams, frame/api.h), but an int8
-    // cache, bound by its conversions, takes the grouped rows L / 4 keys at a time (1.15x
-    // faster). On an Intel Xeon, single rows over contiguous K/V ran faster L keys at a time
-    // without prefetches (decode_prefetch_streams: GPT-2 B4 c1024 1.14x, H32 c8192 1.08x; with
-    // AVX2 1.25x and 0.99x), but 1.08x slower through a block table; its grouped rows kept the
-    // key-by-key loop (L / 4 keys without prefetches: 1.11-1.28x slower on 64-128 MiB
-    // contiguous caches, 1.65x paged).
+    // grouped rows 1.24-1.55x, Hkv8 Lk32768 D128, their prefetches issued 16 keys at a time;
+    // Zen 3's single rows: decode_prefetch_streams, frame/api.h), but an int8 cache, bound by
+    // its conversions, takes the grouped rows L / 4 keys at a time (1.15x faster), and so do
+    // float16 / bfloat16 caches where the kernel set says so (grouped_half_keys), their
+    // prefetches issued four keys at a time. On an Intel Xeon, single rows over contiguous K/V
+    // ran faster L keys at a time without prefetches (decode_prefetch_streams: GPT-2 B4 c1024
+    // 1.14x, H32 c8192 1.08x; with AVX2 1.25x and 0.99x), but 1.08x slower through a block
+    // table; its grouped rows kept the key-by-key loop (L / 4 keys without prefetches:
+    // 1.11-1.28x slower on 64-128 MiB contiguous caches, 1.65x paged).
     // The first and last branches look alike but stay apart: one branch for both (the same
     // arithmetic, bit for bit) made the streamed key-by-key loop between them 1.06-1.09x slower
     // (GPT-2 B4 c1024, three one-process A/Bs), this loop's known sensitivity to code layout.
@@ -1089,7 +1099,7 @@ struct Attention {
       } else {
         K::dot_keys(r.q, E, index_t(1), krows, kb, E, r.s, DB);
       }
-    } else if (r.R == 1 || !(cached || kInt8)) {
+    } else if (r.R == 1 || !(cached || kInt8 || (kHalf && grouped_half_keys<K>::value))) {
       for (index_t j = 0; j < kb; ++j) {
         prefetch_rows(vrow(*cur, j), a.v_rs, 1, Ev);
         if (j < an) {
@@ -1101,7 +1111,10 @@ struct Attention {
     } else {
       const KV* krows[DB];
       rows_at(kb0, a.k_rs, a.k_ps, *cur, k0, kb, krows);
-      constexpr index_t KG = 16;  // keys per dot_keys call, their prefetches just before it
+      // Keys per dot_keys call, their prefetches (streamed) just before it. Streamed half rows
+      // asked for 16 keys' rows at once (192 prefetches) ran 1.17-1.35x slower than four keys'
+      // (AVX-512, Hq32 Hkv8 Lk32768 D128, one and two threads); int8 rows alike either way.
+      const index_t KG = cached ? 16 : 4;
       for (index_t jg = 0; jg < kb; jg += KG) {
         const index_t n = min_of<index_t>(KG, kb - jg);
         for (index_t j = jg; j < jg + n; ++j) {
