@@ -2,8 +2,8 @@
 per K/V head, with their float64 references (tests/test_config.py runs them in subprocesses under
 each PYATTN_DECODE_PREFETCH setting). Key rows of at most 128 bytes (float16 D64, int8 D128) take
 several keys at a time under every setting; the longer ones (float32 D128, float16 D128, int8
-D256) follow the setting. "float16 grouped": six query rows per K/V head (four, then two, a few
-keys at a time on AVX-512, key by key elsewhere), under every setting."""
+D256) follow the setting. "float32 / float16 grouped": six query rows per K/V head (four, then
+two, a few keys at a time on AVX-512, key by key elsewhere), under every setting."""
 
 from __future__ import annotations
 
@@ -49,6 +49,10 @@ def decode_cases():
         "float16": (
             lambda: pyattn.scaled_dot_product_attention(q, kh, vh),
             lambda: ref.scaled_dot_product_attention(f64(q), f64(kh), f64(vh)),
+        ),
+        "float32 grouped": (
+            lambda: pyattn.scaled_dot_product_attention(qg, k, v, enable_gqa=True),
+            lambda: ref.scaled_dot_product_attention(f64(qg), f64(k), f64(v), enable_gqa=True),
         ),
         "float16 grouped": (
             lambda: pyattn.scaled_dot_product_attention(qg, kh, vh, enable_gqa=True),

@@ -42,14 +42,14 @@ template <class K>
 struct prefetch_cached_rows<K, std::void_t<decltype(K::kPrefetchCachedRows)>>
     : std::integral_constant<bool, K::kPrefetchCachedRows> {};
 
-// Whether the kernel set's grouped decode rows over float16 / bfloat16 K/V streamed from memory
-// take L / 4 keys at a time, as int8 rows do (K::kGroupedHalfKeys, decode_block); false (key by
-// key) where a set does not say.
+// Whether the kernel set's grouped decode rows over float32 / float16 / bfloat16 K/V streamed
+// from memory take L / 4 keys at a time, as int8 rows do (K::kGroupedStreamKeys, decode_block);
+// false (key by key) where a set does not say.
 template <class K, class = void>
-struct grouped_half_keys : std::false_type {};
+struct grouped_stream_keys : std::false_type {};
 template <class K>
-struct grouped_half_keys<K, std::void_t<decltype(K::kGroupedHalfKeys)>>
-    : std::integral_constant<bool, K::kGroupedHalfKeys> {};
+struct grouped_stream_keys<K, std::void_t<decltype(K::kGroupedStreamKeys)>>
+    : std::integral_constant<bool, K::kGroupedStreamKeys> {};
 
 template <class K, class KV = typename K::T>
 struct Attention {
@@ -1069,9 +1069,9 @@ struct Attention {
     // (L keys at a time measured 1.10-1.15x slower on one thread, H32 Lk4096 D128; L / 4 keys of
     // grouped rows 1.24-1.55x, Hkv8 Lk32768 D128, their prefetches issued 16 keys at a time;
     // Zen 3's single rows: decode_prefetch_streams, frame/api.h), but an int8 cache, bound by
-    // its conversions, takes the grouped rows L / 4 keys at a time (1.15x faster), and so do
-    // float16 / bfloat16 caches where the kernel set says so (grouped_half_keys), their
-    // prefetches issued four keys at a time. On an Intel Xeon, single rows over contiguous K/V
+    // its conversions, takes the grouped rows L / 4 keys at a time (1.15x faster), and so does
+    // every cache where the kernel set says so (grouped_stream_keys), the prefetches issued
+    // four keys at a time. On an Intel Xeon, single rows over contiguous K/V
     // ran faster L keys at a time without prefetches (decode_prefetch_streams: GPT-2 B4 c1024
     // 1.14x, H32 c8192 1.08x; with AVX2 1.25x and 0.99x), but 1.08x slower through a block
     // table; its grouped rows kept the key-by-key loop (L / 4 keys without prefetches:
@@ -1099,7 +1099,7 @@ struct Attention {
       } else {
         K::dot_keys(r.q, E, index_t(1), krows, kb, E, r.s, DB);
       }
-    } else if (r.R == 1 || !(cached || kInt8 || (kHalf && grouped_half_keys<K>::value))) {
+    } else if (r.R == 1 || !(cached || kInt8 || grouped_stream_keys<K>::value)) {
       for (index_t j = 0; j < kb; ++j) {
         prefetch_rows(vrow(*cur, j), a.v_rs, 1, Ev);
         if (j < an) {

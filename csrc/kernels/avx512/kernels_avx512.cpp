@@ -189,11 +189,13 @@ struct sgemm_ukernel_8x48_avx512 : RegTileKernels<OpsF32, 8, 3>, TransposePs {
   // H12 D64 c512-c1024, 2 threads: 0.93-0.99x the time in cache, 1.24-1.29x faster from
   // memory); AVX2 and NEON do not (AVX2: 0.84-0.88x both ways).
   static constexpr bool kPrefetchCachedRows = true;
-  // Grouped decode rows over float16 / bfloat16 K/V streamed from memory take L / 4 keys at a
-  // time, as int8 rows do: the key-by-key loop reduces each row's score on its own, and a half
-  // row leaves it half the bytes to hide that in (Hq32 Hkv8 Lk32768 D128, 2 threads: 1.17-1.26x
-  // faster; B4 L4096, contiguous and paged: 1.17-1.19x). AVX2 does not (0.87-0.97x).
-  static constexpr bool kGroupedHalfKeys = true;
+  // Grouped decode rows streamed from memory take L / 4 keys at a time, as int8 rows do: the
+  // key-by-key loop reduces each row's score on its own, and a half row leaves it half the
+  // bytes to hide that in (float16 / bfloat16, Hq32 Hkv8 Lk32768 D128, 2 threads: 1.17-1.26x
+  // faster; B4 L4096, contiguous and paged: 1.17-1.19x). float32: B4 L4096 paged 1.03-1.04x,
+  // contiguous 1.00-1.02x, B1 Lk32768 0.98-1.04x. AVX2 does not (float16 0.87-0.97x, float32
+  // paged 0.99x).
+  static constexpr bool kGroupedStreamKeys = true;
 };
 struct dgemm_ukernel_8x24_avx512 : RegTileKernels<OpsF64, 8, 3>, TransposeRef<double> {
   static constexpr int NP = 2, NPW = 2;
