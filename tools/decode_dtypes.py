@@ -1,0 +1,71 @@
+"""Decode time per cache dtype, the dtypes interleaved call by call in one process, so that a
+noisy machine moves every dtype alike: the fastest and the median call of each and their ratios
+over the float32 cache. bfloat16 needs ml_dtypes (skipped without it).
+
+    python tools/decode_dtypes.py [--threads 2] [--seconds 8] B,Hq,Hkv,Lk,D [B,Hq,Hkv,Lk,D ...]
+    python tools/decode_dtypes.py 1,32,8,32768,128 4,32,8,4096,128
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import time
+
+import numpy as np
+
+import pyattn
+
+try:
+    import ml_dtypes
+except ImportError:
+    ml_dtypes = None
+
+
+def calls(b, hq, hkv, lk, d, rng):
+    """{dtype name: a kvcache_attention call on a full cache of that dtype}."""
+    q = rng.standard_normal((b, hq, 1, d), np.float32)
+    k, v = (rng.standard_normal((b, hkv, lk, d), np.float32) for _ in range(2))
+    lens = np.full(b, lk, np.int64)
+    out = {"float32": lambda: pyattn.kvcache_attention(q, k, v, lens)}
+    halves = [("float16", np.float16)] + ([("bfloat16", ml_dtypes.bfloat16)] if ml_dtypes else [])
+    for name, dt in halves:
+        kh, vh = k.astype(dt), v.astype(dt)
+        out[name] = lambda kh=kh, vh=vh: pyattn.kvcache_attention(q, kh, vh, lens)
+    ki, vi = (rng.integers(-127, 128, (b, hkv, lk, d), dtype=np.int8) for _ in range(2))
+    ks, vs = (rng.uniform(0.005, 0.02, (b, hkv, lk)).astype(np.float32) for _ in range(2))
+    out["int8"] = lambda: pyattn.kvcache_attention(q, ki, vi, lens, k_scale=ks, v_scale=vs)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("shapes", nargs="+", help="B,Hq,Hkv,Lk,D")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seconds", type=float, default=8.0, help="per shape")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    print(f"pyattn {pyattn.__version__}, {pyattn.show_config(file=io.StringIO())['isa']}, {args.threads} threads")
+    for shape in args.shapes:
+        b, hq, hkv, lk, d = map(int, shape.split(","))
+        fs = calls(b, hq, hkv, lk, d, rng)
+        ts = {n: [] for n in fs}
+        with pyattn.num_threads(args.threads):
+            for f in fs.values():
+                f()
+            t1 = time.perf_counter()
+            while time.perf_counter() - t1 < args.seconds:
+                for n, f in fs.items():
+                    t0 = time.perf_counter()
+                    f()
+                    ts[n].append(time.perf_counter() - t0)
+        mn = {n: min(t) for n, t in ts.items()}
+        md = {n: float(np.median(t)) for n, t in ts.items()}
+        print(f"B{b} Hq{hq} Hkv{hkv} Lk{lk} D{d}, {len(ts['float32'])} rounds (fastest / median ms):")
+        for n in fs:
+            ratio = "" if n == "float32" else f"   {mn['float32'] / mn[n]:.2f}x / {md['float32'] / md[n]:.2f}x float32"
+            print(f"  {n:9s} {mn[n] * 1e3:8.3f} / {md[n] * 1e3:8.3f}{ratio}")
+
+
+if __name__ == "__main__":
+    main()
