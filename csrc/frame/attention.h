@@ -51,6 +51,16 @@ template <class K>
 struct grouped_stream_keys<K, std::void_t<decltype(K::kGroupedStreamKeys)>>
     : std::integral_constant<bool, K::kGroupedStreamKeys> {};
 
+// Whether the kernel set computes a block's scores a panel at a time (K::kPanelOuterScores,
+// scores): each panel's Q^T stays in L1 while the block's K rows come from L2; else (where a set
+// does not say) eight keys at a time across all panels, each K row read once, the panels' Q^T
+// cycled through L1.
+template <class K, class = void>
+struct panel_outer_scores : std::false_type {};
+template <class K>
+struct panel_outer_scores<K, std::void_t<decltype(K::kPanelOuterScores)>>
+    : std::integral_constant<bool, K::kPanelOuterScores> {};
+
 template <class K, class KV = typename K::T>
 struct Attention {
   using T = typename K::T;
@@ -295,12 +305,29 @@ struct Attention {
     }
   }
 
-  // S^T blocks of np query panels = mods(K[k0:k0+kb] Q^T), eight keys at a time across all
-  // panels so those K rows are read from memory once and from L1 for the other panels; then
-  // masked. Panels with fused[p] get P^T = exp2(S^T - sub) straight from the kernel, with
-  // colmax(S^T - sub) in cmax and colsum(P^T) in csum (only for unmasked blocks). With `prime`
-  // (an unmasked block), a fresh panel takes its references from its first eight keys and the
-  // fused path for the rest, fused[p] then set.
+  // Rows [j, j+mr) of panel i's S^T block (scores' step): fused into exp2, or raw then modified.
+  template <bool CAP, bool ALIBI>
+  PYATTN_ALWAYS_INLINE void score_tile(const Problem& p, index_t q0, index_t k0, index_t j, int mr, const Block& blk,
+                                       Tile& ti, int i, const bool* fused) const {
+    if (fused && fused[i]) {
+      K::template ukernel_exp2<CAP, ALIBI>(mr, a.E, blk.k + j * blk.k_rs, blk.k_rs, 1, ti.qt, NR, ti.st + j * NR, NR,
+                                           ti.nr, ti.sub, ti.cmax, ti.csum, p.md, T(q0 + i * NR + p.off - (k0 + j)));
+    } else {
+      // columns before c0 cannot see key k0 + j, nor the later keys of these rows:
+      // mask_edges sets all of them to -inf, so they are not computed
+      const int c0 = hidden_vectors(p, q0 + i * NR, k0 + j, ti.nr);
+      if (c0 < ti.nr)
+        K::ukernel(mr, a.E, blk.k + j * blk.k_rs, blk.k_rs, 1, ti.qt + c0, NR, ti.st + j * NR + c0, NR, ti.nr - c0,
+                   false);
+      mod_rows<CAP, ALIBI>(p, q0 + i * NR, k0, j, mr, ti);
+    }
+  }
+
+  // S^T blocks of np query panels = mods(K[k0:k0+kb] Q^T), in the kernel set's order
+  // (panel_outer_scores); then masked. Panels with fused[p] get P^T = exp2(S^T - sub) straight
+  // from the kernel, with colmax(S^T - sub) in cmax and colsum(P^T) in csum (only for unmasked
+  // blocks). With `prime` (an unmasked block), a fresh panel takes its references from its first
+  // eight keys and the fused path for the rest, fused[p] then set.
   template <bool CAP, bool ALIBI>
   PYATTN_PHASE void scores(const Problem& p, index_t q0, index_t k0, index_t kb, const Block& blk, Tile* t, int np,
                            bool* fused, bool prime) const {
@@ -320,24 +347,19 @@ struct Attention {
         first[i] = MR;
       }
     }
-    for (index_t j = 0; j < kb; j += MR) {
-      const int mr = int(min_of<index_t>(MR, kb - j));
-      prefetch_values(p, k0 + j, mr);  // this block's V, used next
-      for (int i = 0; i < np; ++i) {
-        if (j < first[i]) continue;
-        if (fused && fused[i]) {
-          K::template ukernel_exp2<CAP, ALIBI>(mr, a.E, blk.k + j * blk.k_rs, blk.k_rs, 1, t[i].qt, NR,
-                                               t[i].st + j * NR, NR, t[i].nr, t[i].sub, t[i].cmax, t[i].csum, p.md,
-                                               T(q0 + i * NR + p.off - (k0 + j)));
-        } else {
-          // columns before c0 cannot see key k0 + j, nor the later keys of these rows:
-          // mask_edges sets all of them to -inf, so they are not computed
-          const int c0 = hidden_vectors(p, q0 + i * NR, k0 + j, t[i].nr);
-          if (c0 < t[i].nr)
-            K::ukernel(mr, a.E, blk.k + j * blk.k_rs, blk.k_rs, 1, t[i].qt + c0, NR, t[i].st + j * NR + c0, NR,
-                       t[i].nr - c0, false);
-          mod_rows<CAP, ALIBI>(p, q0 + i * NR, k0, j, mr, t[i]);
+    if constexpr (panel_outer_scores<K>::value) {
+      for (int i = 0; i < np; ++i)
+        for (index_t j = 0; j < kb; j += MR) {
+          const int mr = int(min_of<index_t>(MR, kb - j));
+          if (i == 0) prefetch_values(p, k0 + j, mr);  // this block's V, used next
+          if (j >= first[i]) score_tile<CAP, ALIBI>(p, q0, k0, j, mr, blk, t[i], i, fused);
         }
+    } else {
+      for (index_t j = 0; j < kb; j += MR) {
+        const int mr = int(min_of<index_t>(MR, kb - j));
+        prefetch_values(p, k0 + j, mr);
+        for (int i = 0; i < np; ++i)
+          if (j >= first[i]) score_tile<CAP, ALIBI>(p, q0, k0, j, mr, blk, t[i], i, fused);
       }
     }
     const index_t qz = min_of<index_t>(p.Lq, q0 + index_t(np) * NR) - 1;
