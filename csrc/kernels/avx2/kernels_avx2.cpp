@@ -174,11 +174,11 @@ struct sgemm_ukernel_6x16_avx2 : RegTileKernels<OpsF32, 6, 2>, TransposePs {
   static constexpr int NP = 4, NPW = 8;
   static constexpr index_t MC = 120, KC = 256, NC = 512, BK = 256;
   // Scores a panel at a time, each 16-query panel's Q^T (4-8 KiB) kept in L1 while the block's K
-  // rows come from L2 (Zen 4, 2 threads, tools/ab_cores.py against eight keys across all panels:
-  // B1 H8 L2048 D64 1.03-1.09x faster, B1 H12 L512 1.01-1.06x, L4096 D128 1.00-1.04x, causal and
-  // B8 L128 the same within 2%). AVX-512's 48-query panels ran 1% slower this way and keep keys
-  // outer. With this order 8 panels were 1.04x faster at L2048 D64 but 0.92-0.98x on short causal
-  // calls, so NP stays 4.
+  // rows come from L2 (Zen 4, 2 threads, tools/ab_cores.py against keys outer, six runs: L4096
+  // D128 1.01-1.04x faster, L2048 D64 1.00-1.09x (the most while other work shared the machine),
+  // causal and short calls 0.97-1.05x, the A/A noise being 0.98-1.01). AVX-512's 48-query panels
+  // read 0.98-1.01 this way and keep keys outer. With this order 8 panels were 1.04x faster at
+  // L2048 D64 but 0.92-0.98x on short causal calls, so NP stays 4.
   static constexpr bool kPanelOuterScores = true;
 };
 struct dgemm_ukernel_6x8_avx2 : RegTileKernels<OpsF64, 6, 2>, TransposeRef<double> {
