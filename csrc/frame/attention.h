@@ -305,21 +305,22 @@ struct Attention {
     }
   }
 
-  // Rows [j, j+mr) of panel i's S^T block (scores' step): fused into exp2, or raw then modified.
+  // Rows [j, j+mr) of one panel's S^T block (queries from qp): fused into exp2, or raw then
+  // modified.
   template <bool CAP, bool ALIBI>
-  PYATTN_ALWAYS_INLINE void score_tile(const Problem& p, index_t q0, index_t k0, index_t j, int mr, const Block& blk,
-                                       Tile& ti, int i, const bool* fused) const {
-    if (fused && fused[i]) {
+  PYATTN_ALWAYS_INLINE void score_tile(const Problem& p, index_t qp, index_t k0, index_t j, int mr, const Block& blk,
+                                       Tile& ti, bool fused) const {
+    if (fused) {
       K::template ukernel_exp2<CAP, ALIBI>(mr, a.E, blk.k + j * blk.k_rs, blk.k_rs, 1, ti.qt, NR, ti.st + j * NR, NR,
-                                           ti.nr, ti.sub, ti.cmax, ti.csum, p.md, T(q0 + i * NR + p.off - (k0 + j)));
+                                           ti.nr, ti.sub, ti.cmax, ti.csum, p.md, T(qp + p.off - (k0 + j)));
     } else {
       // columns before c0 cannot see key k0 + j, nor the later keys of these rows:
       // mask_edges sets all of them to -inf, so they are not computed
-      const int c0 = hidden_vectors(p, q0 + i * NR, k0 + j, ti.nr);
+      const int c0 = hidden_vectors(p, qp, k0 + j, ti.nr);
       if (c0 < ti.nr)
         K::ukernel(mr, a.E, blk.k + j * blk.k_rs, blk.k_rs, 1, ti.qt + c0, NR, ti.st + j * NR + c0, NR, ti.nr - c0,
                    false);
-      mod_rows<CAP, ALIBI>(p, q0 + i * NR, k0, j, mr, ti);
+      mod_rows<CAP, ALIBI>(p, qp, k0, j, mr, ti);
     }
   }
 
@@ -352,14 +353,14 @@ struct Attention {
         for (index_t j = 0; j < kb; j += MR) {
           const int mr = int(min_of<index_t>(MR, kb - j));
           if (i == 0) prefetch_values(p, k0 + j, mr);  // this block's V, used next
-          if (j >= first[i]) score_tile<CAP, ALIBI>(p, q0, k0, j, mr, blk, t[i], i, fused);
+          if (j >= first[i]) score_tile<CAP, ALIBI>(p, q0 + i * NR, k0, j, mr, blk, t[i], fused && fused[i]);
         }
     } else {
       for (index_t j = 0; j < kb; j += MR) {
         const int mr = int(min_of<index_t>(MR, kb - j));
         prefetch_values(p, k0 + j, mr);
         for (int i = 0; i < np; ++i)
-          if (j >= first[i]) score_tile<CAP, ALIBI>(p, q0, k0, j, mr, blk, t[i], i, fused);
+          if (j >= first[i]) score_tile<CAP, ALIBI>(p, q0 + i * NR, k0, j, mr, blk, t[i], fused && fused[i]);
       }
     }
     const index_t qz = min_of<index_t>(p.Lq, q0 + index_t(np) * NR) - 1;
