@@ -181,13 +181,19 @@ def prepare_torch_softmax(x, mask, *, num_threads) -> Prepared:
 
 
 # -------------------------------------------------------------------------------- onnxruntime
-def _session(model_bytes: bytes, num_threads: int):
+# The one-node models need nothing past IR version 10 (ONNX 1.16); an onnx newer than the installed
+# onnxruntime stamps its own, which that runtime refuses ("Unsupported model IR version").
+_IR_VERSION = 10
+
+
+def _session(model, num_threads: int):
     ort = _ort()
+    model.ir_version = min(model.ir_version, _IR_VERSION)
     so = ort.SessionOptions()
     so.intra_op_num_threads = num_threads
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
-    return ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
 @functools.lru_cache(maxsize=16)
@@ -213,7 +219,7 @@ def _mha_session(B, Lq, Lk, H, E, Ev, causal, num_threads):
         helper.make_graph([node], "mha", inputs, outputs),
         opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
     )
-    return _session(model.SerializeToString(), num_threads)
+    return _session(model, num_threads)
 
 
 @functools.lru_cache(maxsize=16)
@@ -260,7 +266,7 @@ def _gqa_session(B, Hq, Hkv, past, D, num_threads, kv_int8=False):
         helper.make_graph([node], "gqa", inputs, outputs),
         opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
     )
-    return _session(model.SerializeToString(), num_threads)
+    return _session(model, num_threads)
 
 
 def quantize_per_channel(x: np.ndarray):
@@ -351,7 +357,7 @@ def _gqa_prefill_session(B, L, Hq, Hkv, D, local_window_size, num_threads):
         helper.make_graph([node], "gqa_prefill", inputs, outputs),
         opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
     )
-    return _session(model.SerializeToString(), num_threads)
+    return _session(model, num_threads)
 
 
 def _gqa_prefill_feeds(q4, k4, v4) -> dict:
