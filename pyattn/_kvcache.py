@@ -33,6 +33,7 @@ from ._validate import (
     strided_offsets,
     unit_last,
     window_sides,
+    writable_in_place,
 )
 
 _CACHE_KV_TYPES = {"float16": 1, "bfloat16": 2, "int8": 3}
@@ -61,7 +62,9 @@ def _quantize(x: np.ndarray):
     # A row holding NaN or inf cannot be stored in int8: it gets a NaN scale (and zeros), so it
     # reads back as NaN and the NaN propagates as it would from a float cache.
     scale = np.where(np.isfinite(amax), np.where(amax > 0, amax / 127.0, 1.0), np.nan).astype(np.float32)
-    with np.errstate(invalid="ignore"):
+    # (a row whose absolute maximum is under 127 times the smallest float has a scale of 0: its
+    # values, +-inf after the division, clip to +-127 and read back as 0)
+    with np.errstate(invalid="ignore", divide="ignore"):
         q = np.clip(np.rint(x / scale[..., None]), -127, 127)
     return np.where(np.isnan(q), 0, q).astype(np.int8), scale
 
@@ -82,7 +85,9 @@ class _Layout:
                 f"{name} must be 4-D ((B, Hkv, Lmax, D) or (num_blocks, Hkv, block_size, D)); got {cache.shape}"
             )
         if cache.size and cache.shape[-1] > 1 and cache.strides[-1] != cache.itemsize:
-            raise ValueError(f"{name}: its last axis must be contiguous (written in place, never copied)")
+            raise ValueError(
+                f"{name}: its last axis must be contiguous where new tokens are written (in place, never copied)"
+            )
         if cache.size and any(s % cache.itemsize for s in cache.strides):
             raise ValueError(f"{name}: strides must be whole elements")
         self.rs = _elem(cache, 2)  # between the tokens of one (block or sequence, head)
@@ -210,6 +215,11 @@ def _cache_attention(
         # runs without the GIL; the kernel reads only what was checked.
         t = np.array(t)
         table = t if t.dtype == np.int32 else t.astype(np.int32)
+    if k_new is None and v_new is None:
+        # Nothing is written: a cache whose feature axis is strided is read through a copy, as
+        # scaled_dot_product_attention copies such an operand (a cache written in place must have
+        # that axis contiguous, and _Layout says so).
+        k_cache, v_cache = unit_last(k_cache), unit_last(v_cache)
     kl = _Layout(k_cache, table, B, "k_cache")
     vl = _Layout(v_cache, table, B, "v_cache")
     Hkv, Ek, Ev = k_cache.shape[1], k_cache.shape[3], v_cache.shape[3]
@@ -251,7 +261,7 @@ def _cache_attention(
         counts = None
         keys = lens
     _check_capacity(keys, kl.capacity)
-    if table is not None and B:
+    if table is not None and B and kl.block_size:  # (blocks of 0 tokens: the capacity check let only 0 keys by)
         need = (keys + kl.block_size - 1) // kl.block_size
         used = np.arange(table.shape[1])[None, :] < need[:, None]
         ids = t[used]
@@ -280,10 +290,12 @@ def _cache_attention(
     ragged = counts is not None and new_lens is not None
     result = np.zeros((B, Hq, Lq, Ev), dtype) if (ragged or out is None) else None
     target = out if result is None else result
-    # an out laid out for the kernel and apart from every input, else a temporary copied in
+    # an out laid out for the kernel (unit last stride, aligned, whole-element strides, no element
+    # reached twice through a zero stride: the threads would race on it) and apart from every
+    # input, else a temporary copied in
     if (
         target.strides[-1] != target.itemsize
-        or any(s % target.itemsize for s in target.strides)
+        or not writable_in_place(target)
         or (target is out and overlaps(out, q, k_cache, v_cache, k_scale, v_scale, table, slopes, sink))
     ):
         target = np.zeros((B, Hq, Lq, Ev), dtype)
@@ -519,7 +531,8 @@ class KVCache:
 
     def attend(self, query, k_new, v_new, *, new_lens=None, **variants):
         """Append ``k_new`` / ``v_new`` ``(B, Hkv, Lq, D)`` after each sequence's tokens, attend
-        (bottom-right causal over everything held), and advance ``lens``. With ``new_lens`` (B,)
+        (bottom-right causal over everything held), and advance ``lens``. With both None nothing
+        is appended and ``lens`` stay: the query attends the tokens held. With ``new_lens`` (B,)
         sequence b appends only its first ``new_lens[b]`` tokens (a ragged prefill in one padded
         call): its query rows past them are padding and come back as zeros. ``variants``: scale,
         is_causal, window, softcap, alibi_slopes, sinks, return_lse, out."""
@@ -528,9 +541,14 @@ class KVCache:
 
     def _attend(self, query, k_new, v_new, new_lens, variants):
         Lq = np.shape(query)[-2] if np.ndim(query) == 4 else 0
-        counts = (
-            np.full(self.batch, Lq, np.int64) if new_lens is None else _int_vector(new_lens, "new_lens", self.batch)
-        )
+        if k_new is None and v_new is None:  # attend what is held, append nothing: lens stay
+            if new_lens is not None:
+                raise ValueError("new_lens needs k_new / v_new")
+            counts = np.zeros(self.batch, np.int64)
+        elif new_lens is None:
+            counts = np.full(self.batch, Lq, np.int64)
+        else:
+            counts = _int_vector(new_lens, "new_lens", self.batch)
         if counts.max(initial=0) > Lq:
             raise ValueError(f"new_lens must be <= Lq = {Lq}; got {counts.max()}")
         needed = self._lens + counts

@@ -6,7 +6,10 @@ of bounds (a crash in the C path), unsigned or narrow cu_seqlens wrapped in thei
 int64 block ids past 2**31 were cut to int32 and named another block, read-only or oddly strided
 int8 scales and a bad ``scale`` were found only after the new tokens were written, an ``out``
 overlapping the query or the cache was written while still being read, a NaN written into an
-int8 cache vanished, and empty caches or ``reset([])`` were refused.
+int8 cache vanished, and empty caches or ``reset([])`` were refused. A second pass found
+``KVCache.attend(q, None, None)`` advancing ``lens`` over slots it never wrote, a zero-stride
+``out`` written by racing threads, a read-only call refusing a cache with a strided feature axis,
+and NumPy warnings from a subnormal int8 row and from 0-token blocks.
 """
 
 from __future__ import annotations
@@ -543,3 +546,119 @@ def test_paged_decode_reads_several_heads_per_task(isa, cdt, B, hkv, group, lens
             np.testing.assert_array_equal(got, want, err_msg=f"{threads} threads")
     finally:
         pyattn.set_num_threads(before)
+
+
+@pytest.mark.parametrize("block_size", [None, 4])
+def test_attend_without_new_tokens_keeps_lens(block_size, rng):
+    """KVCache.attend(query, None, None) appends nothing: lens stay, and the query attends the
+    tokens held (it once advanced lens by Lq, so that every later step attended unwritten slots:
+    zeros, or a freed block's tokens of another sequence)."""
+    B, H, D = 2, 2, 8
+    cache = pyattn.KVCache(B, H, D, max_len=None if block_size else 32, block_size=block_size)
+    k1, v1 = rn(rng, (B, H, 3, D)), rn(rng, (B, H, 3, D))
+    cache.attend(rn(rng, (B, H, 3, D)), k1, v1)
+    q = rn(rng, (B, H, 2, D))
+    got = cache.attend(q, None, None)
+    np.testing.assert_array_equal(cache.lens, [3, 3])
+    want = pyattn.reference.scaled_dot_product_attention(q, k1, v1, is_causal=True, causal_align="bottom_right")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="new_lens needs k_new / v_new"):
+        cache.attend(q, None, None, new_lens=[1, 1])
+    with pytest.raises(ValueError, match="k_new and v_new go together"):
+        cache.attend(q, k1[:, :, :2], None)
+    np.testing.assert_array_equal(cache.lens, [3, 3])
+    # the next step sees exactly the tokens written
+    q2, k2, v2 = rn(rng, (B, H, 1, D)), rn(rng, (B, H, 1, D)), rn(rng, (B, H, 1, D))
+    got = cache.attend(q2, k2, v2)
+    K, V = np.concatenate([k1, k2], axis=2), np.concatenate([v1, v2], axis=2)
+    want = pyattn.reference.scaled_dot_product_attention(q2, K, V, is_causal=True, causal_align="bottom_right")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("via", ["function", "cache"])
+def test_out_with_a_zero_stride_is_written_once(via, rng):
+    """An out that reaches an element twice through a zero stride goes through a temporary and
+    is then assigned as NumPy assigns (the last batch row's result lands), as
+    scaled_dot_product_attention's does. The kernel's threads once wrote its rows directly: the
+    row that finished last won, here the long first sequence (its 4000 keys against 1)."""
+    from numpy.lib.stride_tricks import as_strided
+
+    B, H, E, L = 2, 1, 64, 4000
+    q, kc, vc = rn(rng, (B, H, 1, E)), rn(rng, (B, H, L, E)), rn(rng, (B, H, L, E))
+    lens = np.array([L, 1])
+    full = pyattn.kvcache_attention(q, kc, vc, lens)
+    assert not np.array_equal(full[0], full[1])
+
+    def zero_stride_out():
+        buf = np.zeros((H, 1, E), np.float32)
+        return as_strided(buf, shape=(B, H, 1, E), strides=(0,) + buf.strides, writeable=True)
+
+    before = pyattn.get_num_threads()
+    try:
+        pyattn.set_num_threads(2)
+        for _ in range(5):
+            out = zero_stride_out()
+            if via == "function":
+                pyattn.kvcache_attention(q, kc, vc, lens, out=out)
+            else:
+                cache = pyattn.KVCache(B, H, E, max_len=L)
+                cache.attend(np.zeros((B, H, L, E), np.float32), kc, vc, new_lens=lens)
+                cache.attend(q, None, None, out=out)
+            np.testing.assert_array_equal(out[0], full[1])
+    finally:
+        pyattn.set_num_threads(before)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_read_only_call_takes_a_cache_with_a_strided_feature_axis(paged, rng):
+    """Without k_new / v_new nothing is written, so a cache whose feature axis is strided (a
+    Fortran-ordered array, K taken every other feature of a packed buffer) is read through a copy
+    as scaled_dot_product_attention reads it; it was refused as if it were written. A call that
+    writes still needs that axis contiguous."""
+    B, Hkv, L, D = 2, 2, 16, 8
+    q = rn(rng, (B, 2 * Hkv, 1, D))
+    packed = rn(rng, (B, Hkv, L, 2 * D))
+    k, v = packed[..., ::2], np.asfortranarray(rn(rng, (B, Hkv, L, D)))
+    lens = np.array([16, 9])
+    table = None
+    if paged:  # the same tokens in blocks of 4, in reverse order
+        nb = L // 4
+        k = np.ascontiguousarray(k).reshape(B, Hkv, nb, 4, D).transpose(0, 2, 1, 3, 4).reshape(B * nb, Hkv, 4, D)
+        v = np.ascontiguousarray(v).reshape(B, Hkv, nb, 4, D).transpose(0, 2, 1, 3, 4).reshape(B * nb, Hkv, 4, D)
+        order = np.arange(B * nb)[::-1]
+        k, v = np.asfortranarray(k[order]), np.asfortranarray(v[order])
+        table = np.argsort(order).reshape(B, nb).astype(np.int32)
+    assert k.strides[-1] != k.itemsize and v.strides[-1] != v.itemsize
+    got = pyattn.kvcache_attention(q, k, v, lens, block_table=table, window=(5, 0))
+    want = pyattn.kvcache_attention(
+        q, np.ascontiguousarray(k), np.ascontiguousarray(v), lens, block_table=table, window=(5, 0)
+    )
+    np.testing.assert_array_equal(got, want)
+    if not paged:
+        ref = pyattn.scaled_dot_product_attention(
+            q, k, v, enable_gqa=True, is_causal=True, causal_align="bottom_right", kv_lens=lens, window=(5, 0)
+        )
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+    kn, vn = rn(rng, (B, Hkv, 1, D)), rn(rng, (B, Hkv, 1, D))
+    with pytest.raises(ValueError, match="k_cache: its last axis must be contiguous where new tokens are written"):
+        pyattn.kvcache_attention(q, k, v, lens - 1, k_new=kn, v_new=vn, block_table=table)
+
+
+def test_degenerate_inputs_warn_nothing():
+    """A row of an int8 write whose largest value is subnormal (its scale rounds to 0) and a
+    paged pool of 0-token blocks once let NumPy warn (divide by zero, floor_divide)."""
+    import warnings
+
+    q = np.ones((1, 1, 1, 4), np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for kw in ({}, {"window": (None, None)}):  # the C path and the Python one
+            kc, vc = np.zeros((1, 1, 4, 4), np.int8), np.zeros((1, 1, 4, 4), np.int8)
+            ks, vs = np.zeros((1, 1, 4), np.float32), np.zeros((1, 1, 4), np.float32)
+            kn = np.array([1e-45, 0, 0, 0], np.float32).reshape(1, 1, 1, 4)
+            out = pyattn.kvcache_attention(q, kc, vc, np.array([0]), k_new=kn, v_new=kn, k_scale=ks, v_scale=vs, **kw)
+            np.testing.assert_array_equal(kc[0, 0, 0] * ks[0, 0, 0], 0)  # reads back as 0
+            np.testing.assert_array_equal(out, 0)
+        pool = np.zeros((2, 1, 0, 3), np.float32)
+        out = pyattn.kvcache_attention(q[..., :3], pool, pool, np.array([0]), block_table=np.zeros((1, 2), np.int32))
+        np.testing.assert_array_equal(out, 0)
