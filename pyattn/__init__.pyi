@@ -230,8 +230,8 @@ class KVCache:
     def attend(
         self,
         query: ArrayLike,
-        k_new: ArrayLike,
-        v_new: ArrayLike,
+        k_new: Optional[ArrayLike],
+        v_new: Optional[ArrayLike],
         *,
         new_lens: Optional[ArrayLike] = ...,
         **variants: Any,
