@@ -976,6 +976,29 @@ def test_sdpa_sink_extremes(dtype, isa, rng):
 
 
 @dtype_param
+@pytest.mark.parametrize("lq", [1, 3, 12])  # the decode path (Lq <= 8) and the prefill tiles
+def test_no_visible_key_with_a_sink_of_subnormal_weight(dtype, lq, isa):
+    """A row that sees no key outputs zeros with lse = the sink, also when exp(sink) is
+    subnormal (float32 sinks of -88.7 to -104, float64 of -709.8 to -744.4): the decode path
+    took 1 / exp(sink) = inf there, and its rows of 0 * inf came out NaN."""
+    sink = -95.0 if dtype == np.float32 else -720.0
+    q, k = np.ones((1, 1, lq, 4), dtype), np.ones((1, 1, 2000, 4), dtype)
+    s = np.array([sink], dtype)
+    hidden = {
+        "kv_lens=0": dict(kv_lens=np.array([0])),
+        "mask": dict(attn_mask=np.zeros((lq, 2000), bool)),
+        "window": dict(window=(0, 0), kv_lens=np.array([0]), is_causal=True, causal_align="bottom_right"),
+    }
+    for name, kw in hidden.items():
+        for weights in (False, True):
+            got = sdpa(q, k, k, sinks=s, return_lse=True, return_weights=weights, **kw)
+            assert not got[0].any(), (name, weights)
+            np.testing.assert_allclose(got[-1], sink, rtol=1e-6)
+    o = pyattn.kvcache_attention(q[:, :, :1], k, k, np.array([0]), sinks=s, is_causal=False)
+    assert not o.any()
+
+
+@dtype_param
 def test_sdpa_softcap_limits(dtype, rng):
     """The cap is held in log2 units in the computation's dtype: past its largest float it is
     refused (it overflowed to inf, and inf * tanh(0) gave NaN); a 0-d array is a number."""

@@ -786,10 +786,12 @@ struct Attention {
   static T inv_of(T l) { return l > T(0) ? T(1) / l : l == T(0) ? T(0) : l; }
 
   // A row's statistics once its keys are all in: the sink (if any) joins the sum, as one more
-  // logit with no value. l is relative to sub; returns the total, still relative to sub.
+  // logit with no value. l is relative to sub; returns the total, still relative to sub. The
+  // sink's term is floored as every weight is (exp2_floored, as the prefill's exp2_sub_cols): a
+  // row that saw no key (l = 0) would otherwise take 1 / subnormal = inf, and 0 * inf is NaN.
   T with_sink(const Problem& p, T sub, T l) const {
     if (!sinks) return l;
-    return l + T(std::exp2(sinks[p.bh] * T(kLog2e) - sub));
+    return l + exp2_floored(T(sinks[p.bh] * T(kLog2e) - sub));
   }
 
   // The natural-log LSE of a row: ln 2 * (sub + log2(l)), with the sink's logit included; -inf
