@@ -24,6 +24,7 @@ from ._validate import (
     broadcast,
     broadcast_lead,
     cast,
+    check_gqa_heads,
     check_out,
     compute_dtype,
     elem_strides,
@@ -149,18 +150,8 @@ def scaled_dot_product_attention(
 
     group = 1
     if enable_gqa:
-        for a, name in ((q, "query"), (k, "key"), (v, "value")):
-            if a.ndim < 3:
-                raise ValueError(f"enable_gqa needs a heads axis: {name} must be (..., H, L, E); got {a.shape}")
+        group = check_gqa_heads(q.shape, k.shape, v.shape)
         Hq, Hkv = q.shape[-3], k.shape[-3]
-        if v.shape[-3] != Hkv:
-            raise ValueError(f"value has {v.shape[-3]} heads (shape {v.shape}); expected {Hkv} like key")
-        if Hkv == 0 or Hq % Hkv:
-            raise ValueError(
-                f"enable_gqa: query heads ({Hq}, shape {q.shape}) must be a multiple of key/value heads "
-                f"({Hkv}, shape {k.shape})"
-            )
-        group = Hq // Hkv
         outer = broadcast_lead(
             (q.shape[:-3], k.shape[:-3], v.shape[:-3]), ("query", "key", "value"), "scaled_dot_product_attention"
         )

@@ -51,13 +51,26 @@ def cast(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 def writable_in_place(a: np.ndarray) -> bool:
     """Whether the core may write ``a`` directly: aligned, with strides of whole elements, no
-    element reached twice through a zero stride (its threads would race on it; otherwise it
-    writes a temporary that is then copied in)."""
+    element reached twice (through a zero stride, or rows that overlap: its threads would race
+    on it, or a row would read what an earlier one wrote; otherwise it writes a temporary that is
+    then copied in)."""
     return (
         bool(a.flags.aligned)
         and not any(s % a.itemsize for s in a.strides)
-        and not any(s == 0 and n > 1 for s, n in zip(a.strides, a.shape))
+        and (a.flags.c_contiguous or a.flags.f_contiguous or not may_self_overlap(a))
     )
+
+
+def may_self_overlap(a: np.ndarray) -> bool:
+    """Whether ``a`` may reach one element through two indices: False when its axes, taken by
+    stride, each step past everything the smaller ones span (the sufficient test; a layout that
+    fails it without overlapping only costs a temporary)."""
+    span = a.itemsize
+    for s, n in sorted((abs(s), n) for s, n in zip(a.strides, a.shape) if n > 1):
+        if s < span:
+            return True
+        span += s * (n - 1)
+    return False
 
 
 def elem_strides(a: np.ndarray) -> tuple:
@@ -334,3 +347,20 @@ def key_counts(kv_lens, lead: tuple, Lk: int):
         raise ValueError(f"kv_lens must be in [0, Lk = {Lk}]; got values from {b.min()} to {b.max()}")
     per_problem = np.broadcast_to(b[..., None], lead) if lead else b  # repeated over the heads
     return np.ascontiguousarray(per_problem, dtype=np.int64).reshape(-1)
+
+
+def check_gqa_heads(q_shape: tuple, k_shape: tuple, v_shape: tuple) -> int:
+    """The group size of grouped-query attention (query heads per key/value head), after the
+    checks of the heads axes (enable_gqa: the third-from-last axis of each input)."""
+    for shape, name in ((q_shape, "query"), (k_shape, "key"), (v_shape, "value")):
+        if len(shape) < 3:
+            raise ValueError(f"enable_gqa needs a heads axis: {name} must be (..., H, L, E); got {shape}")
+    Hq, Hkv = q_shape[-3], k_shape[-3]
+    if v_shape[-3] != Hkv:
+        raise ValueError(f"value has {v_shape[-3]} heads (shape {v_shape}); expected {Hkv} like key")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(
+            f"enable_gqa: query heads ({Hq}, shape {q_shape}) must be a multiple of key/value heads "
+            f"({Hkv}, shape {k_shape})"
+        )
+    return Hq // Hkv

@@ -505,3 +505,29 @@ def test_softmax_takes_any_finite_input(isa, dtype):
     # scale applied before the maximum, as the reference does
     x = np.array([1e30, -1e30, 3.0], dtype)
     np.testing.assert_allclose(pyattn.softmax(x, scale=-1e-30), reference.softmax(x, scale=-1e-30), rtol=1e-6)
+
+
+def test_out_whose_rows_overlap_is_written_through_a_temporary(isa, rng):
+    """An out whose rows overlap each other (a writable as_strided view, rows 4 elements apart
+    and 8 long) is written as NumPy assigns into it, from results computed on the inputs as
+    given: softmax(x, out=x) on such an x took the in-place path, and each row then read
+    entries that the row before had already overwritten."""
+    from numpy.lib.stride_tricks import as_strided
+
+    buf = randn(rng, (40,), np.float64)
+    x = as_strided(buf, shape=(6, 8), strides=(32, 8))
+    want_buf = buf.copy()
+    as_strided(want_buf, shape=(6, 8), strides=(32, 8))[...] = pyattn.softmax(np.array(x))
+    pyattn.softmax(x, out=x)
+    np.testing.assert_allclose(buf, want_buf, rtol=1e-12, atol=0)
+
+    q, k, v = (
+        randn(rng, (1, 2, 6, 8), np.float32),
+        randn(rng, (1, 2, 9, 8), np.float32),
+        randn(rng, (1, 2, 9, 8), np.float32),
+    )
+    o_buf, want_buf = np.zeros(60, np.float32), np.zeros(60, np.float32)
+    shape, strides = (1, 2, 6, 8), (0, 96, 16, 4)  # heads 24 elements apart, rows 4: they overlap
+    as_strided(want_buf, shape=shape, strides=strides)[...] = pyattn.scaled_dot_product_attention(q, k, v)
+    pyattn.scaled_dot_product_attention(q, k, v, out=as_strided(o_buf, shape=shape, strides=strides))
+    np.testing.assert_array_equal(o_buf, want_buf)
