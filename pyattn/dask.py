@@ -33,7 +33,15 @@ import numpy as np
 
 from ._api import scaled_dot_product_attention as _sdpa
 from ._merge import merge_states_f64
-from ._validate import NO_LIMIT, alibi_span, kernel_factors, scale_value, softcap_value, window_sides
+from ._validate import (
+    NO_LIMIT,
+    alibi_span,
+    check_gqa_heads,
+    kernel_factors,
+    scale_value,
+    softcap_value,
+    window_sides,
+)
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -117,7 +125,17 @@ def _merge(states, dtype):
     if len(states) == 1:
         return states[0]
     # (a state of lse +inf, a +inf sink, takes all the weight there as in the NumPy function)
-    return merge_states_f64([s[0] for s in states], [np.asarray(s[1]) for s in states], dtype)
+    out, lse = merge_states_f64([s[0] for s in states], [np.asarray(s[1]) for s in states], dtype)
+    # A row that saw no key of a block (lse -inf) adds nothing, except the NaN of a value row that
+    # only attn_mask hid from it (0 * NaN): the NumPy function's output holds that NaN, and so
+    # must the merged one.
+    for o, l in states:
+        empty = np.isneginf(np.asarray(l))
+        if o.shape == out.shape and empty.any():
+            carried = np.isnan(o[empty])
+            if carried.any():
+                out[empty] = np.where(carried, np.nan, out[empty])
+    return out, lse
 
 
 def _attend(q, k, v, m, d, slopes, kv_lens, p: "_Piece"):
@@ -418,7 +436,9 @@ def scaled_dot_product_attention(
         if x.ndim < 2:
             raise ValueError(f"{name} must have at least 2 dimensions (..., L, E); got shape {x.shape}")
     m = attn_mask
-    if m is not None and not isinstance(m, da.Array):
+    if isinstance(m, da.Array):
+        m = _as_dask(m, "attn_mask")  # (its chunk sizes known, as the inputs')
+    elif m is not None:
         m = np.asarray(m)
     if split_every is None:
         split_every = 4
@@ -439,19 +459,33 @@ def scaled_dot_product_attention(
         if kl.dtype.kind in "iu" and kl.size and (kl.min() < 0 or kl.max() > Lk):
             raise ValueError(f"kv_lens must be in [0, Lk = {Lk}]; got values from {kl.min()} to {kl.max()}")
 
+    if enable_gqa:  # checked here on the real shapes: the stand-ins' (1, 1) would show in its errors
+        check_gqa_heads(q.shape, k.shape, v.shape)
+
     def stand_in(x, shape):
         return np.broadcast_to(np.zeros((), x.dtype), shape)
+
+    def meta(mask):
+        return _sdpa(
+            stand_in(q, q.shape[:-2] + (1, 1)), stand_in(k, k.shape[:-2] + (1, 1)), stand_in(v, v.shape[:-2] + (1, 1)),
+            mask, is_causal=is_causal, causal_align=causal_align, scale=1.0, enable_gqa=enable_gqa,
+            return_lse=True, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+            kv_lens=None if kv_lens is None else np.zeros(np.shape(kv_lens), np.asarray(kv_lens).dtype),
+        )  # fmt: skip
 
     meta_mask = None
     if m is not None:
         last = min(m.ndim, 2)  # its (Lq, Lk) axes, as many as it has, stand in as 1
         meta_mask = stand_in(m, m.shape[: m.ndim - last] + (1,) * last)
-    o_meta, lse_meta = _sdpa(
-        stand_in(q, q.shape[:-2] + (1, 1)), stand_in(k, k.shape[:-2] + (1, 1)), stand_in(v, v.shape[:-2] + (1, 1)),
-        meta_mask, is_causal=is_causal, causal_align=causal_align, scale=1.0, enable_gqa=enable_gqa,
-        return_lse=True, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-        kv_lens=None if kv_lens is None else np.zeros(np.shape(kv_lens), np.asarray(kv_lens).dtype),
-    )  # fmt: skip
+    try:
+        o_meta, lse_meta = meta(meta_mask)
+    except ValueError as exc:
+        if meta_mask is None or not str(exc).startswith("attn_mask has shape"):
+            raise
+        lead = meta(None)[0].shape[:-2]  # the same message on the real shapes
+        raise ValueError(
+            f"attn_mask has shape {m.shape}; expected a shape broadcastable to {lead + (Lq, Lk)}"
+        ) from None
     dtype = o_meta.dtype
     lead = o_meta.shape[:-2]
     n = len(lead)

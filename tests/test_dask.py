@@ -488,6 +488,30 @@ def test_errors_unknown_chunks():
         pdask.scaled_dot_product_attention(q, k, k)
 
 
+def test_errors_unknown_mask_chunks():
+    """A Dask mask with unknown chunk sizes gets the inputs' message (it read as a wrong shape)."""
+    q = _dq()
+    keep = da.from_array(np.ones(16, bool), chunks=8)
+    m = da.from_array(np.ones((16, 16), bool), chunks=8)[keep]
+    with pytest.raises(ValueError, match=r"attn_mask has unknown chunk sizes.*attn_mask.compute_chunk_sizes\(\)"):
+        pdask.scaled_dot_product_attention(q, q, q, m)
+
+
+def test_errors_name_the_real_shapes():
+    """Shape errors name the arrays' shapes, as the NumPy function's do: they once showed the
+    (..., 1, 1) stand-ins the graph is checked on."""
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((2, 3, 6, 8)), rng.standard_normal((2, 2, 10, 8))
+    dq, dk = da.from_array(q, chunks=(1, 1, 3, 8)), da.from_array(k, chunks=(1, 1, 5, 8))
+    for call in (pyattn.scaled_dot_product_attention, pdask.scaled_dot_product_attention):
+        args = (q, k, k) if call is pyattn.scaled_dot_product_attention else (dq, dk, dk)
+        with pytest.raises(ValueError, match=r"query heads \(3, shape \(2, 3, 6, 8\)\).*\(2, shape \(2, 2, 10, 8\)\)"):
+            call(*args, enable_gqa=True)
+        mask = np.ones((3, 1, 6, 10), bool)
+        with pytest.raises(ValueError, match=r"attn_mask has shape \(3, 1, 6, 10\); .* to \(2, 2, 6, 10\)"):
+            call(args[0][:, :2], args[1], args[2], mask)
+
+
 def test_errors_shapes_and_dtypes():
     q = _dq()
     with pytest.raises(ValueError, match="key has feature size 4"):
@@ -584,3 +608,28 @@ def test_infinite_sink_takes_all_the_weight_as_in_numpy():
         assert not do[0, 0].any() and (dl[0, 0] == np.inf).all()
         np.testing.assert_allclose(do, o, rtol=1e-12, atol=1e-13)
         np.testing.assert_allclose(dl, l, rtol=1e-12)
+
+
+@pytest.mark.parametrize("kc", [4, 3, 1])
+def test_nan_value_hidden_only_by_the_mask_reaches_the_output(kc):
+    """A non-finite value row hidden from a query only by attn_mask reaches that query's output
+    (docs/api.md), also when every key of its chunk is hidden: such a chunk's state has lse -inf,
+    and the merge dropped its NaN (finite numbers, or zeros for a row masked off every key)."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 1, 4, 8)) for _ in range(3))
+    k, v = np.concatenate([k, k], axis=2), np.concatenate([v, v], axis=2)
+    v[0, 0, 6, 2] = np.nan
+    mask = np.ones((4, 8), bool)
+    mask[1, 4:] = False  # row 1 sees keys 0..3
+    mask[2] = False  # row 2 sees none
+    want, wl = pyattn.scaled_dot_product_attention(q, k, v, mask, return_lse=True)
+    assert np.isnan(want[0, 0, 1, 2]) and np.isnan(want[0, 0, 2, 2]) and not np.isnan(want[0, 0, 1, :2]).any()
+    with dask.config.set(scheduler="synchronous"):
+        got, gl = pdask.scaled_dot_product_attention(
+            da.from_array(q, chunks=(1, 1, 2, 8)), da.from_array(k, chunks=(1, 1, kc, 8)),
+            da.from_array(v, chunks=(1, 1, kc, 8)), mask, return_lse=True,
+        )  # fmt: skip
+        got, gl = dask.compute(got, gl)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-12, equal_nan=True)
+    np.testing.assert_allclose(gl, wl, rtol=1e-12)
