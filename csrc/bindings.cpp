@@ -166,6 +166,31 @@ bool view_of(PyObject* o, int min_nd, View& v, bool half = false, bool int8 = fa
 
 index_t elems(const View& v, int axis) { return index_t(v.strides[axis] / v.itemsize); }
 
+// Whether v may reach one element through two indices (_validate.may_self_overlap): false when
+// its axes, taken by stride, each step past everything the smaller ones span. Such an out is
+// written through a temporary by the Python path (threads would race on it, or a row read what
+// another wrote).
+bool may_self_overlap(const View& v) {
+  Py_ssize_t s[kMaxDims], n[kMaxDims];
+  int m = 0;
+  for (int i = 0; i < v.nd; ++i)
+    if (v.shape[i] > 1) {
+      s[m] = v.strides[i] < 0 ? -v.strides[i] : v.strides[i];
+      n[m++] = v.shape[i];
+    }
+  for (int i = 1; i < m; ++i)
+    for (int j = i; j > 0 && s[j] < s[j - 1]; --j) {
+      std::swap(s[j], s[j - 1]);
+      std::swap(n[j], n[j - 1]);
+    }
+  Py_ssize_t span = v.itemsize;
+  for (int i = 0; i < m; ++i) {
+    if (s[i] < span) return true;
+    span += s[i] * (n[i] - 1);
+  }
+  return false;
+}
+
 // Element offsets of every matrix of `a` over its first `nlead` axes, in C order, each repeated
 // `repeat` times along the last of them (grouped-query heads): _validate.lead_offsets. Walks the
 // index like an odometer into `off` (reused between calls: nothing allocated once it is large
@@ -423,8 +448,7 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
       if (o.shape[i] != q.shape[i]) Py_RETURN_NONE;
     if (o.shape[nd - 2] != Lq || o.shape[nd - 1] != Ev || overlap(o, q) || overlap(o, k) || overlap(o, v))
       Py_RETURN_NONE;
-    for (int i = 0; i < nd; ++i)  // rows written more than once (by different threads): the Python path
-      if (o.shape[i] > 1 && o.strides[i] == 0) Py_RETURN_NONE;
+    if (may_self_overlap(o)) Py_RETURN_NONE;  // elements written twice (by different threads): the Python path
   }
   double scale;
   if (args[5] == Py_None) {

@@ -209,6 +209,14 @@ def _decline_cases():
         v,
         {"out": np.lib.stride_tricks.as_strided(rows, q.shape, (256, 64, 0, 4))},
     )
+    # rows that overlap (4 elements apart, 16 long): the same elements reached twice
+    over = np.empty(2 * 4 * 3 * 4 + 12, np.float32)
+    cases["out whose rows overlap"] = (
+        q,
+        k,
+        v,
+        {"out": np.lib.stride_tricks.as_strided(over, q.shape, (192, 48, 16, 4))},
+    )
     with np.errstate(all="ignore"):
         warned = np.broadcast_arrays(np.empty((1, 4, 3, 16), np.float32), q)[0]
     cases["out from broadcast_arrays"] = (q, k, v, {"out": warned})
