@@ -18,12 +18,42 @@ F64 = np.dtype(np.float64)
 
 def float_array(x, name: str) -> np.ndarray:
     """``np.asarray(x)``, refusing anything but real floating point (bfloat16 included)."""
-    a = np.asarray(x)
+    try:
+        a = np.asarray(x)
+    except (TypeError, RuntimeError, ValueError) as exc:
+        if type(x).__module__.split(".")[0] != "torch":
+            raise
+        a = _torch_array(x, name, exc)
     if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
         raise TypeError(f"{name} must be a float32 or float64 array; got dtype {a.dtype}")
     if a.dtype.itemsize > 8:
         raise TypeError(f"{name}: dtype {a.dtype} is not supported (use float32 or float64)")
     return a
+
+
+def _torch_array(t, name: str, exc: Exception) -> np.ndarray:
+    """A torch tensor that np.asarray refused: a CPU bfloat16 tensor read as ml_dtypes.bfloat16
+    (its memory shared, as np.asarray shares a float tensor's), else an error saying why."""
+    device = str(getattr(t, "device", "cpu"))
+    if device != "cpu":
+        raise ValueError(
+            f"{name} is a torch tensor on {device}; pyattn computes on the CPU: pass {name}.cpu()"
+        ) from exc
+    if getattr(t, "requires_grad", False):
+        raise TypeError(
+            f"{name} is a torch tensor that requires grad; pyattn computes no gradients: pass {name}.detach()"
+        ) from exc
+    if str(t.dtype) == "torch.bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise TypeError(
+                f"{name} is a bfloat16 torch tensor: NumPy reads bfloat16 through ml_dtypes (pip install ml_dtypes)"
+            ) from exc
+        import torch
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    raise TypeError(f"{name}: NumPy cannot read this torch tensor ({exc})") from exc
 
 
 def is_float64(dt: np.dtype) -> bool:

@@ -321,3 +321,24 @@ def test_reference_mha_matches_torch():
     )
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(gw, ww, rtol=1e-12, atol=1e-12)
+
+
+def test_torch_tensors_numpy_cannot_read():
+    """Torch tensors are read as np.asarray reads them; those it refuses get pyattn's own word:
+    a CPU bfloat16 tensor is read through ml_dtypes (no copy), one that requires grad or lies off
+    the CPU is refused naming the argument and the fix (torch's own error before)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 3 + i, 8, generator=g) for i in (0, 2, 2))
+    kb, vb = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:  # bfloat16 is read through ml_dtypes
+        pass
+    else:
+        got = pyattn.scaled_dot_product_attention(q, kb, vb)
+        want = pyattn.scaled_dot_product_attention(q.numpy(), kb.float().numpy(), vb.float().numpy())
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(TypeError, match=r"key is a torch tensor that requires grad.*key.detach\(\)"):
+        pyattn.scaled_dot_product_attention(q, k.clone().requires_grad_(True), v)
+    with pytest.raises(ValueError, match=r"query is a torch tensor on meta.*query.cpu\(\)"):
+        pyattn.scaled_dot_product_attention(torch.empty(1, 2, 3, 8, device="meta"), k, v)
