@@ -342,7 +342,7 @@ def _cache_attention(
             cap, slopes, sink, win_left, win_right,  # softcap, alibi, sinks, win_left, win_right
             kv_lens, kv_type,  # kv_lens, kv_type
             q_lens, table, bt_off,  # q_lens, block_table, bt_off
-            kl.block_size, kl.bs, vl.bs,  # block_size, k_ps, v_ps
+            max(kl.block_size, 1), kl.bs, vl.bs,  # block_size (blocks of 0 tokens hold no key), k_ps, v_ps
             k_scale if kv_type == 3 else None, ksoff, ks[0], ks[1],  # k_scale, ksoff, ks_rs, ks_ps
             v_scale if kv_type == 3 else None, vsoff, vs[0], vs[1],  # v_scale, vsoff, vs_rs, vs_ps
         )  # fmt: skip
