@@ -94,8 +94,10 @@ class _Layout:
         self.hs = _elem(cache, 1)
         self.bs = _elem(cache, 0)  # between sequences (contiguous) or blocks (paged)
         if self.paged:
-            self.block_size = cache.shape[2]
-            self.capacity = block_table.shape[1] * self.block_size
+            self.capacity = block_table.shape[1] * cache.shape[2]
+            # blocks of 0 tokens hold no key (capacity 0, so no call reads or writes one): any
+            # positive size addresses them, and the core takes sizes >= 1
+            self.block_size = max(cache.shape[2], 1)
         else:
             if cache.shape[0] != batch:
                 raise ValueError(f"{name} has {cache.shape[0]} sequences (shape {cache.shape}); expected B = {batch}")
@@ -261,7 +263,7 @@ def _cache_attention(
         counts = None
         keys = lens
     _check_capacity(keys, kl.capacity)
-    if table is not None and B and kl.block_size:  # (blocks of 0 tokens: the capacity check let only 0 keys by)
+    if table is not None and B:
         need = (keys + kl.block_size - 1) // kl.block_size
         used = np.arange(table.shape[1])[None, :] < need[:, None]
         ids = t[used]
@@ -342,7 +344,7 @@ def _cache_attention(
             cap, slopes, sink, win_left, win_right,  # softcap, alibi, sinks, win_left, win_right
             kv_lens, kv_type,  # kv_lens, kv_type
             q_lens, table, bt_off,  # q_lens, block_table, bt_off
-            max(kl.block_size, 1), kl.bs, vl.bs,  # block_size (blocks of 0 tokens hold no key), k_ps, v_ps
+            kl.block_size, kl.bs, vl.bs,  # block_size, k_ps, v_ps
             k_scale if kv_type == 3 else None, ksoff, ks[0], ks[1],  # k_scale, ksoff, ks_rs, ks_ps
             v_scale if kv_type == 3 else None, vsoff, vs[0], vs[1],  # v_scale, vsoff, vs_rs, vs_ps
         )  # fmt: skip

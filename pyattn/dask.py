@@ -130,9 +130,9 @@ def _merge(states, dtype):
     # only attn_mask hid from it (0 * NaN): the NumPy function's output holds that NaN, and so
     # must the merged one.
     for o, l in states:
-        empty = np.isneginf(np.asarray(l))
-        if o.shape == out.shape and empty.any():
-            carried = np.isnan(o[empty])
+        empty = np.broadcast_to(np.isneginf(l), lse.shape)
+        if empty.any():
+            carried = np.isnan(np.broadcast_to(o, out.shape)[empty])
             if carried.any():
                 out[empty] = np.where(carried, np.nan, out[empty])
     return out, lse
@@ -473,26 +473,18 @@ def scaled_dot_product_attention(
             kv_lens=None if kv_lens is None else np.zeros(np.shape(kv_lens), np.asarray(kv_lens).dtype),
         )  # fmt: skip
 
-    meta_mask = None
-    if m is not None:
-        last = min(m.ndim, 2)  # its (Lq, Lk) axes, as many as it has, stand in as 1
-        meta_mask = stand_in(m, m.shape[: m.ndim - last] + (1,) * last)
-    try:
-        o_meta, lse_meta = meta(meta_mask)
-    except ValueError as exc:
-        if meta_mask is None or not str(exc).startswith("attn_mask has shape"):
-            raise
-        lead = meta(None)[0].shape[:-2]  # the same message on the real shapes
-        raise ValueError(
-            f"attn_mask has shape {m.shape}; expected a shape broadcastable to {lead + (Lq, Lk)}"
-        ) from None
+    o_meta, lse_meta = meta(None)
     dtype = o_meta.dtype
     lead = o_meta.shape[:-2]
     n = len(lead)
     Ev = v.shape[-1]
     if m is not None:
+        # its shape against the real (Lq, Lk) first (the stand-ins' (1, 1) would show in the
+        # NumPy function's message), then the rest of that function's checks of a mask
         if m.ndim > n + 2 or any(s not in (1, t) for s, t in zip(m.shape[::-1], (lead + (Lq, Lk))[::-1])):
             raise ValueError(f"attn_mask has shape {m.shape}; expected a shape broadcastable to {lead + (Lq, Lk)}")
+        last = min(m.ndim, 2)  # its (Lq, Lk) axes, as many as it has, stand in as 1
+        meta(stand_in(m, m.shape[: m.ndim - last] + (1,) * last))
         if not isinstance(m, da.Array):  # a small NumPy mask, chunked like the scores below
             m = np.broadcast_to(m, (1,) * (n + 2 - m.ndim) + m.shape)
 
