@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _core
-from ._validate import broadcast_shapes, check_out, same_layout
+from ._validate import broadcast_shapes, cast, check_out, same_layout
 
 __all__ = ["merge_attention_states"]
 
@@ -111,8 +111,10 @@ def _merge(outs, ls, lead: tuple, lq: int, ev: int, dtype, out=None):
     the output in dtype (into out when given), the lse in float64."""
     shape = lead + (lq, ev)
     rows = lq * int(np.prod(lead, dtype=np.int64))
-    o_rows = [_rows(np.broadcast_to(o.astype(dtype, copy=False), shape), rows, ev) for o in outs]
-    l_rows = [_rows(np.broadcast_to(np.asarray(x, _F64), lead + (lq,))[..., None], rows, 1) for x in ls]
+    # (cast: a copy also where the data is not aligned to its element size, as an array that
+    # Dask unpickled into a worker may be; the core reads whole elements)
+    o_rows = [_rows(np.broadcast_to(cast(o, dtype), shape), rows, ev) for o in outs]
+    l_rows = [_rows(np.broadcast_to(cast(np.asarray(x), _F64), lead + (lq,))[..., None], rows, 1) for x in ls]
     # An out= over memory the states also use is written row by row while they are read: safe
     # only where it is that very state, element for element; otherwise computed apart, copied in.
     infinite = _infinite_rows(outs, ls, lead, lq, ev)  # (read before an out= over a state is written)

@@ -346,7 +346,7 @@ def per_head(values, name: str, lead: tuple, dtype: np.dtype):
     b = _broadcast_named(a, lead, name, "one per query head")
     given = np.asarray(b, np.float64).reshape(-1)
     with np.errstate(over="ignore"):  # finite as given, in the dtype and in log2 units there too
-        flat = np.ascontiguousarray(b, dtype=dtype).reshape(-1)
+        flat = np.require(b, dtype, "CA").reshape(-1)  # (aligned too: an unpickled array may not be)
         past = np.isfinite(given) & ~np.isfinite(flat * flat.dtype.type(math.log2(math.e)))
     if past.any():
         raise ValueError(f"{name} holds {given[past][0]!r}, past what a {np.dtype(dtype).name} computation holds")
@@ -376,7 +376,7 @@ def key_counts(kv_lens, lead: tuple, Lk: int):
     if b.size and (b.min() < 0 or b.max() > Lk):
         raise ValueError(f"kv_lens must be in [0, Lk = {Lk}]; got values from {b.min()} to {b.max()}")
     per_problem = np.broadcast_to(b[..., None], lead) if lead else b  # repeated over the heads
-    return np.ascontiguousarray(per_problem, dtype=np.int64).reshape(-1)
+    return np.require(per_problem, np.int64, "CA").reshape(-1)
 
 
 def check_gqa_heads(q_shape: tuple, k_shape: tuple, v_shape: tuple) -> int:
