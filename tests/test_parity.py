@@ -411,6 +411,42 @@ def test_layouts(isa, dtype, how, rng):
 
 
 @dtype_param
+@pytest.mark.parametrize("fused_qkv", [False, True], ids=["blhd", "qkv"])
+def test_rows_a_page_apart(isa, dtype, fused_qkv, rng):
+    """K/V rows a whole number of 4 KiB apart ((B, L, H, D) views with H x D x itemsize a multiple
+    of 4096, or slices of one fused QKV projection), which the kernels copy into a tile rather
+    than read in place: the same values as contiguous copies, bit for bit, over several key
+    blocks, with masks, windows and the weights."""
+    H, D = 4096 // (64 * np.dtype(dtype).itemsize), 64
+    B, Lq, Lk = 2, 37, 301
+    if fused_qkv:  # (B, L, 3, H, D) as one buffer: the rows 3 x 4 KiB apart
+        qkv = randn(rng, (B, Lk, 3, H, D), dtype)
+        q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+        q = q[:, :, Lk - Lq :]
+    else:
+        q = randn(rng, (B, Lq, H, D), dtype).transpose(0, 2, 1, 3)
+        k, v = (randn(rng, (B, Lk, H, D), dtype).transpose(0, 2, 1, 3) for _ in range(2))
+    assert k.strides[2] % 4096 == 0 and not k.flags.c_contiguous
+    qc, kc, vc = (np.ascontiguousarray(x) for x in (q, k, v))
+    mask = make_mask(rng, "bool", (B, 1, Lq, Lk))
+    for kw in (
+        {"is_causal": True, "causal_align": "bottom_right"},
+        {"attn_mask": mask, "return_weights": True, "return_lse": True},
+        {"window": (100, 0), "is_causal": True, "causal_align": "bottom_right", "return_lse": True},
+    ):
+        got = sdpa(q, k, v, **kw)
+        same = sdpa(qc, kc, vc, **kw)
+        got, same = (got, same) if isinstance(got, tuple) else ((got,), (same,))
+        for g, s in zip(got, same):
+            np.testing.assert_array_equal(g, s)
+        want = ref_sdpa(qc, kc, vc, **kw)
+        assert_close(got[0], want[0] if isinstance(want, tuple) else want, dtype)
+    # only one of K and V so laid out
+    assert_close(sdpa(qc, k, vc, is_causal=True), ref_sdpa(qc, kc, vc, is_causal=True), dtype)
+    assert_close(sdpa(qc, kc, v, is_causal=True), ref_sdpa(qc, kc, vc, is_causal=True), dtype)
+
+
+@dtype_param
 def test_broadcast_views(isa, dtype, rng):
     """Stride-0 views (np.broadcast_to) as inputs and masks."""
     q = randn(rng, (2, 3, 11, 16), dtype)
