@@ -267,7 +267,7 @@ struct Attention {
   // multiple of 4096, or sliced from a fused QKV projection) are copied too: in place, every row
   // falls into the same few L1 sets (a 4 KiB way), and the block's rows evict each other between
   // the passes over them. View over contiguous time, in place / copied (AVX-512, in one process):
-  // causal H32 L1024 D128 1.17 / 0.98-1.00, H8 L2048 D128 1.05 / 0.96, causal H16 L1024 D64 1.10-1.14
+  // causal H32 L1024 D128 1.05-1.17 / 0.98-1.00, H8 L2048 D128 0.98-1.05 / 0.96, causal H16 L1024 D64 1.10-1.14
   // / 0.99; AVX2: 2.03 / 1.05, 1.16 / 1.06, 1.22 / 1.08. Rows 2 KiB apart (H8 D64) lost 1-4%
   // copied, and contiguous rows 0-3%: those stay in place.
   static bool rows_alias(index_t rs, index_t n) { return rs != n && (rs * index_t(sizeof(KV))) % 4096 == 0; }
