@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 import io
-import time
 
 import numpy as np
+from _interleave import interleaved
 
 import pyattn
 
@@ -49,16 +49,8 @@ def main() -> None:
     for shape in args.shapes:
         b, hq, hkv, lk, d = map(int, shape.split(","))
         fs = calls(b, hq, hkv, lk, d, rng)
-        ts = {n: [] for n in fs}
         with pyattn.num_threads(args.threads):
-            for f in fs.values():
-                f()
-            t1 = time.perf_counter()
-            while time.perf_counter() - t1 < args.seconds:
-                for n, f in fs.items():
-                    t0 = time.perf_counter()
-                    f()
-                    ts[n].append(time.perf_counter() - t0)
+            ts = interleaved(fs, args.seconds)
         mn = {n: min(t) for n, t in ts.items()}
         md = {n: float(np.median(t)) for n, t in ts.items()}
         print(f"B{b} Hq{hq} Hkv{hkv} Lk{lk} D{d}, {len(ts['float32'])} rounds (fastest / median ms):")

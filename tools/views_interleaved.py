@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import io
-import time
 
 import numpy as np
+from _interleave import interleaved
 
 import pyattn
 
@@ -63,17 +63,11 @@ def main() -> None:
         if torch is not None:
             tv = [torch.from_numpy(x).transpose(1, 2) for x in (q, k, v)]
             fs["torch_view"] = lambda tv=tv, kw=kw: torch.nn.functional.scaled_dot_product_attention(*tv, **kw).numpy()
-        ts = {n: [] for n in fs}
         with pyattn.num_threads(args.threads):
             want = fs["contiguous"]()
             for n, f in fs.items():
                 np.testing.assert_allclose(f(), want, rtol=1e-4, atol=1e-5, err_msg=n)
-            t1 = time.perf_counter()
-            while time.perf_counter() - t1 < args.seconds:
-                for n, f in fs.items():
-                    t0 = time.perf_counter()
-                    f()
-                    ts[n].append(time.perf_counter() - t0)
+            ts = interleaved(fs, args.seconds)
         base = float(np.median(ts["view"]))
         ratios = ", ".join(f"{n} {np.median(t) / base:.3f}" for n, t in ts.items() if n != "view")
         print(f"{name} B{b} Hq{hq} Hkv{hkv} Lq{lq} Lk{lk} D{d}: view {base * 1e3:.3f} ms; time / view: {ratios}")
