@@ -410,6 +410,17 @@ def test_layouts(isa, dtype, how, rng):
     assert_close(got, ref_sdpa(q, k, v, mask, is_causal=True), dtype)
 
 
+def check_same_bits(args, contiguous, kw, dtype):
+    """sdpa on args gives bit for bit what it gives on their contiguous copies, and its output
+    matches the reference."""
+    got, same = sdpa(*args, **kw), sdpa(*contiguous, **kw)
+    got, same = (got, same) if isinstance(got, tuple) else ((got,), (same,))
+    for g, s in zip(got, same):
+        np.testing.assert_array_equal(g, s)
+    want = ref_sdpa(*contiguous, **kw)
+    assert_close(got[0], want[0] if isinstance(want, tuple) else want, dtype)
+
+
 @dtype_param
 @pytest.mark.parametrize("fused_qkv", [False, True], ids=["blhd", "qkv"])
 def test_rows_a_page_apart(isa, dtype, fused_qkv, rng):
@@ -434,13 +445,7 @@ def test_rows_a_page_apart(isa, dtype, fused_qkv, rng):
         {"attn_mask": mask, "return_weights": True, "return_lse": True},
         {"window": (100, 0), "is_causal": True, "causal_align": "bottom_right", "return_lse": True},
     ):
-        got = sdpa(q, k, v, **kw)
-        same = sdpa(qc, kc, vc, **kw)
-        got, same = (got, same) if isinstance(got, tuple) else ((got,), (same,))
-        for g, s in zip(got, same):
-            np.testing.assert_array_equal(g, s)
-        want = ref_sdpa(qc, kc, vc, **kw)
-        assert_close(got[0], want[0] if isinstance(want, tuple) else want, dtype)
+        check_same_bits((q, k, v), (qc, kc, vc), kw, dtype)
     # only one of K and V so laid out
     assert_close(sdpa(qc, k, vc, is_causal=True), ref_sdpa(qc, kc, vc, is_causal=True), dtype)
     assert_close(sdpa(qc, kc, v, is_causal=True), ref_sdpa(qc, kc, vc, is_causal=True), dtype)
@@ -464,12 +469,7 @@ def test_decode_heads_interleaved(isa, dtype, hq, hkv, lq, rng):
         {"window": (64, 0), "is_causal": True, "causal_align": "bottom_right"},
     ):
         kw["enable_gqa"] = hq != hkv
-        got, same = sdpa(q, k, v, **kw), sdpa(q, kc, vc, **kw)
-        got, same = (got, same) if isinstance(got, tuple) else ((got,), (same,))
-        for g, s in zip(got, same):
-            np.testing.assert_array_equal(g, s)
-        want = ref_sdpa(q, kc, vc, **kw)
-        assert_close(got[0], want[0] if isinstance(want, tuple) else want, dtype)
+        check_same_bits((q, k, v), (q, kc, vc), kw, dtype)
 
 
 @dtype_param

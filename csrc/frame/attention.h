@@ -80,7 +80,8 @@ struct Attention {
   T s2;                    // scale * log2(e), folded into Q (divided by the cap with a softcap)
   ScoreMods<T> mods0;      // softcap in log2 units; nslope is per problem
   const T *slopes, *sinks;
-  index_t wl, wr;  // window sides (kNoLimit: none); wr is at most 0 with causal
+  index_t wl, wr;           // window sides (kNoLimit: none); wr is at most 0 with causal
+  bool gather_k, gather_v;  // whether K / V blocks are copied into the task's tiles (gathers_rows)
 
   explicit Attention(const AttnArgs& args)
       : a(args),
@@ -94,7 +95,9 @@ struct Attention {
         slopes(static_cast<const T*>(args.alibi)),
         sinks(static_cast<const T*>(args.sinks)),
         wl(args.win_left),
-        wr(args.causal ? min_of<index_t>(args.win_right, 0) : args.win_right) {
+        wr(args.causal ? min_of<index_t>(args.win_right, 0) : args.win_right),
+        gather_k(gathers_rows(args, args.k_rs, args.E)),
+        gather_v(gathers_rows(args, args.v_rs, args.Ev)) {
     mods0 = ScoreMods<T>{T(args.softcap * kLog2e), T(0)};
   }
 
@@ -253,9 +256,10 @@ struct Attention {
     return a.mask_kind == MaskKind::none && k0 + kb <= hi(p, qa) && k0 >= lo(p, qz);
   }
 
-  // A key block as the kernels read it: in place for float K/V in a contiguous cache (rows_alias
-  // aside), else gathered run by run (paged) and converted (half, int8 times its row scales) into the task's
-  // tiles kc (BK x E) and vc (BK x Ev), which stay in L1 for the block's panels.
+  // A key block as the kernels read it: in place for float K/V in a contiguous cache (rows a page
+  // apart aside: gathers_rows), else gathered run by run (paged) and converted (half, int8 times
+  // its row scales) into the task's tiles kc (BK x E) and vc (BK x Ev), which stay in L1 for the
+  // block's panels.
   struct Block {
     const T *k, *v;
     index_t k_rs, v_rs;
@@ -263,17 +267,19 @@ struct Attention {
   struct Convert {
     T *kc, *vc;
   };
-  // Float rows a whole number of 4 KiB apart (K/V viewed as (B, L, H, D) with H x D x 4 bytes a
-  // multiple of 4096, or sliced from a fused QKV projection) are copied too: in place, every row
-  // falls into the same few L1 sets (a 4 KiB way), and the block's rows evict each other between
-  // the passes over them. View over contiguous time, in place / copied (AVX-512, in one process):
-  // causal H32 L1024 D128 1.05-1.17 / 0.98-1.00, H8 L2048 D128 0.98-1.05 / 0.96, causal H16 L1024 D64 1.10-1.14
-  // / 0.99; AVX2: 2.03 / 1.05, 1.16 / 1.06, 1.22 / 1.08. Rows 2 KiB apart (H8 D64) lost 1-4%
-  // copied, and contiguous rows 0-3%: those stay in place.
-  static bool rows_alias(index_t rs, index_t n) { return rs != n && (rs * index_t(sizeof(KV))) % 4096 == 0; }
-  bool gathers_keys() const { return kHalf || a.block_table != nullptr || rows_alias(a.k_rs, a.E); }
-  bool gathers_values() const { return kHalf || a.block_table != nullptr || rows_alias(a.v_rs, a.Ev); }
-  bool gathers() const { return gathers_keys() || gathers_values(); }
+  // Whether rows of n elements, rs apart, are copied rather than read in place: half and int8
+  // rows (converted), paged ones, and float rows a whole number of 4 KiB apart (K/V viewed as
+  // (B, L, H, D) with H x D x 4 bytes a multiple of 4096, or sliced from a fused QKV projection):
+  // in place, every such row falls into the same few L1 sets (a 4 KiB way), and the block's rows
+  // evict each other between the passes over them. View over contiguous time, in place / copied
+  // (AVX-512, in one process): causal H32 L1024 D128 1.05-1.17 / 0.98-1.00, H8 L2048 D128
+  // 0.98-1.05 / 0.96, causal H16 L1024 D64 1.10-1.14 / 0.99; AVX2: 2.03 / 1.05, 1.16 / 1.06,
+  // 1.22 / 1.08. Rows 2 KiB apart (H8 D64) lost 1-4% copied, and contiguous rows 0-3%: those stay
+  // in place.
+  static bool gathers_rows(const AttnArgs& args, index_t rs, index_t n) {
+    return kHalf || args.block_table != nullptr || (rs != n && (rs * index_t(sizeof(KV))) % 4096 == 0);
+  }
+  bool gathers() const { return gather_k || gather_v; }
   void gather_rows(const Problem& p, index_t k0, index_t kb, bool keys, T* dst) const {
     const index_t n = keys ? a.E : a.Ev, rs = keys ? a.k_rs : a.v_rs;
     for (index_t j = k0, e = k0 + kb; j < e;) {
@@ -295,13 +301,13 @@ struct Attention {
   }
   Block key_block(const Problem& p, index_t k0, index_t kb, const Convert& cv) const {
     if constexpr (!kHalf)
-      if (!gathers_keys()) return Block{key + a.koff[p.bh] + k0 * a.k_rs, nullptr, a.k_rs, 0};
+      if (!gather_k) return Block{key + a.koff[p.bh] + k0 * a.k_rs, nullptr, a.k_rs, 0};
     gather_rows(p, k0, kb, true, cv.kc);
     return Block{cv.kc, nullptr, a.E, 0};
   }
   Block value_block(const Problem& p, index_t k0, index_t kb, const Convert& cv) const {
     if constexpr (!kHalf)
-      if (!gathers_values()) return Block{nullptr, value + a.voff[p.bh] + k0 * a.v_rs, 0, a.v_rs};
+      if (!gather_v) return Block{nullptr, value + a.voff[p.bh] + k0 * a.v_rs, 0, a.v_rs};
     gather_rows(p, k0, kb, false, cv.vc);
     return Block{nullptr, cv.vc, 0, a.Ev};
   }
@@ -1273,16 +1279,16 @@ struct Attention {
     }
     index_t nchunk = 1;
     if (ng < 8) nchunk = max_of<index_t>(1, min_of<index_t>(ceil_div(8, ng), span / 256));
-    // Through a paged cache a task takes hpt groups (consecutive heads: a block's heads lie side
-    // by side) over the same keys, as decode_groups: as many as leave two tasks a thread.
-    // Interleaved heads are read best the more of them a task takes side by side: there one task a
-    // thread will do (view over contiguous time, two tasks a thread / one: Hq32 Hkv8 Lk512 D128
-    // 1.25 / 1.16, Lk4096 1.16 / 1.03, H8 Lk4096 1.24 / 1.04; AVX-512, one process).
+    // Through a paged cache, or over interleaved heads, a task takes hpt groups (consecutive
+    // heads, whose rows lie side by side) over the same keys, as decode_groups: as many as leave
+    // two tasks a thread when paged, one over interleaved heads, which are read best the more of
+    // them a task takes (view over contiguous time, two tasks a thread / one: Hq32 Hkv8 Lk512
+    // D128 1.25 / 1.16, Lk4096 1.16 / 1.03, H8 Lk4096 1.24 / 1.04; AVX-512, one process).
     index_t hpt = 1;
-    const index_t per_thread = a.block_table ? 2 : 1;
-    if (a.block_table || heads_interleaved())
-      while (hpt < kMaxRun && ng % (2 * hpt) == 0 && ng / (2 * hpt) * nchunk >= per_thread * index_t(a.nthreads))
-        hpt *= 2;
+    if (a.block_table || heads_interleaved()) {
+      const index_t min_tasks = (a.block_table ? 2 : 1) * index_t(a.nthreads);
+      while (hpt < kMaxRun && ng % (2 * hpt) == 0 && ng / (2 * hpt) * nchunk >= min_tasks) hpt *= 2;
+    }
     const index_t ntasks = ng / hpt * nchunk;
     const std::size_t part = std::size_t(R) * std::size_t(Ev + 2);  // acc, m, l per group and chunk
     T* parts = nchunk > 1 ? static_cast<T*>(scratch(2, std::size_t(ng * nchunk) * part * sizeof(T))) : nullptr;
