@@ -868,6 +868,29 @@ def test_threads_agree(isa, dtype, lq, lk, hq, hkv, rng):
             np.testing.assert_array_equal(g, g1, err_msg=f"{name} with {n} threads differs from 1 thread's")
 
 
+@pytest.mark.parametrize("kv_lens", [None, [40, 17, 33]], ids=["even", "uneven"])
+def test_threads_agree_short_prefill(isa, kv_lens, rng):
+    """A short GQA prefill, one query group per head: with every head's keys as many the threads
+    take the heads in equal runs, with kv_lens of different lengths on demand; the same bits for
+    any thread count either way."""
+    q = randn(rng, (3, 8, 32, 64), np.float32)
+    k = randn(rng, (3, 2, 40, 64), np.float32)
+    v = randn(rng, (3, 2, 40, 64), np.float32)
+    kw = dict(enable_gqa=True, is_causal=True, causal_align="bottom_right", return_lse=True)
+    if kv_lens is not None:
+        kw["kv_lens"] = np.array(kv_lens)
+    want = ref_sdpa(q, k, v, **kw)
+    first = None
+    for n in (1, 2, 3):
+        with pyattn.num_threads(n):
+            got = sdpa(q, k, v, **kw)
+        for name, g, w in zip(["output", "lse"], got, want):
+            assert_close(g, w, np.float32, what=f"{name} with {n} threads")
+        first = got if first is None else first
+        for name, g, g1 in zip(["output", "lse"], got, first):
+            np.testing.assert_array_equal(g, g1, err_msg=f"{name} with {n} threads differs from 1 thread's")
+
+
 # --------------------------------------------------------------------------- tiny weights
 
 

@@ -891,9 +891,19 @@ struct Attention {
       return ps;
     };
     if (a.q_lens) return prefill_ragged<CAP, ALIBI>(nt, setup);
+    // One group a problem and every problem's keys as many (no kv_lens of different lengths):
+    // tasks of one cost, in equal runs, as the decode takes them. Each thread then takes the same
+    // heads call after call, with their rows in its caches, a GQA group's heads on one thread
+    // read their K/V once, and no counter is shared per task (a 32-token Llama-shaped prefill:
+    // 0.93x the time on demand). Else on demand, causal groups near the end of the sequence,
+    // which do the most work, first.
+    bool even = ngroups == 1;
+    for (index_t i = 1; even && i < a.bh; ++i) {
+      const Problem p = problem(i), p0 = problem(0);
+      even = hi(p, a.Lq - 1) - lo(p, 0) == hi(p0, a.Lq - 1) - lo(p0, 0);
+    }
     team(nt, setup, [&](Panels& ps, const Team& tm) {
-      // Causal groups near the end of the sequence do the most work: hand them out first.
-      tm.for_each(ntasks, true, [&](index_t i) {
+      tm.for_each(ntasks, !even, [&](index_t i) {
         const index_t g = ngroups - 1 - i / a.bh;
         query_group<CAP, ALIBI>(problem(i % a.bh), g * np * NR, np, ps.t, ps.cv);
       });
