@@ -106,6 +106,7 @@ struct Attention {
   // lo >= hi); in a paged cache its keys' blocks are listed from block_table[bt0].
   struct Problem {
     index_t bh, Lq, Lk, off, bt0;
+    index_t bk;       // keys per block
     ScoreMods<T> md;  // with this head's ALiBi slope
   };
   Problem problem(index_t bh) const {
@@ -117,8 +118,25 @@ struct Attention {
     p.bt0 = a.block_table ? a.bt_off[bh] : 0;
     p.md = mods0;
     if (slopes) p.md.nslope = -slopes[bh] * T(kLog2e);
+    p.bk = block_keys(p.md.nslope);
     return p;
   }
+
+  // Keys per prefill block: BK, or fewer under a steep ALiBi slope, whose bias rises by
+  // |nslope| a key (log2 units). anticipate_bias takes a block's rise ahead only while it and the
+  // raw scores' spread stay within kRiseMax; past it the block goes the two-pass way, as every
+  // block of a head of slope 0.5 did in AVX2's 256-key blocks (ALiBi then took 1.34x the plain
+  // causal time) and of slopes near 1 (32 heads) in 128-key ones. Blocks over which the bias
+  // rises by at most kBlockRise leave the rest of kRiseMax to the raw scores (A/B, 1.08-1.41x
+  // faster on AVX2, 1.13-1.27x on AVX-512 with 16 or 32 heads; slope 0.5: 84-88 keys).
+  static constexpr T kRiseMax = T(sizeof(T) == 4 ? 100 : 996);  // (anticipate_bias)
+  static constexpr T kBlockRise = T(0.64) * kRiseMax;
+  static index_t block_keys(T nslope) {
+    const T rise = nslope < T(0) ? -nslope : nslope;
+    if (!(rise * T(BK) > kBlockRise)) return BK;
+    return max_of<index_t>(MR, index_t(kBlockRise / rise) / MR * MR);
+  }
+
   // Element offset of key row j of problem p in an array addressed by (off, rs, ps): rows rs apart,
   // or in a paged cache row j % block_size of block block_table[bt0 + j / block_size] (blocks ps
   // apart). Rows are contiguous for run(j) of them from j on.
@@ -587,7 +605,7 @@ struct Attention {
   PYATTN_PHASE void accumulate(const Problem& p, index_t q0, index_t k0, index_t kb, const Block& blk, Tile* t, int np,
                                index_t kend) const {
     // The next block's K rows, spread over the value-column steps.
-    const index_t nnext = min_of<index_t>(BK, kend - k0 - kb),
+    const index_t nnext = min_of<index_t>(p.bk, kend - k0 - kb),
                   per = ceil_div(nnext, max_of<index_t>(1, ceil_div(a.Ev, MR)));
     // Keys hidden by position are never part of an output, not even as 0 * NaN: a value row that
     // some of the panels' queries cannot see (before the last one's left edge, from the first
@@ -680,7 +698,7 @@ struct Attention {
     }
   }
 
-  // ALiBi makes scores rise by up to |slope| * BK * log2(e) from one key block to the next
+  // ALiBi makes scores rise by up to |slope| * kb * log2(e) from one key block to the next
   // (towards the diagonal; away from it for a negative slope), far past the lazy reference's
   // slack. The bias is known before the block is computed: its largest value for query i over
   // the keys of [k0, k0+kb) it may see by position (causal, window, kv_lens) is nslope * dist,
@@ -695,7 +713,6 @@ struct Attention {
   // block's raw scores fell by as much (a key far above the rest early in the row), and the fused
   // kernel could not tell. The block goes the two-pass way instead, which takes its reference
   // from the scores it finds.
-  static constexpr T kRiseMax = T(sizeof(T) == 4 ? 100 : 996);
   void anticipate_bias(const Problem& p, index_t qp, index_t k0, index_t kb, Tile& t) const {
     bool moved = false, steep = false;
     // whether every query of the panel sees the whole block (lo and hi rise with the query)
@@ -756,7 +773,7 @@ struct Attention {
     // on them: on short sequences these first touches were a sixth of the time.
     const index_t nq = min_of<index_t>(p.Lq - q0, index_t(np) * NR);
     prefetch_rows(query + a.qoff[p.bh] + q0 * a.q_rs, a.q_rs, nq, a.E);
-    if (kend > kbeg) prefetch_keys(p, kbeg, min_of<index_t>(BK, kend - kbeg));
+    if (kend > kbeg) prefetch_keys(p, kbeg, min_of<index_t>(p.bk, kend - kbeg));
     for (int i = 0; i < np; ++i) {
       const index_t qp = first_q(q0, i), qc = min_of<index_t>(NR, p.Lq - qp);
       pack_qt(query + a.qoff[p.bh] + qp * a.q_rs, qc, t[i].qt);
@@ -771,7 +788,7 @@ struct Attention {
     int p0 = 0;
     for (index_t k0 = kbeg, kb = 0; k0 < kend; k0 += kb) {
       while (p0 < np - 1 && hi(p, last_q(p, q0, p0)) <= k0) ++p0;
-      kb = min_of<index_t>(BK, kend - k0);
+      kb = min_of<index_t>(p.bk, kend - k0);
       if (p0 < np - 1) kb = min_of<index_t>(kb, max_of<index_t>(MR, hi(p, last_q(p, q0, p0)) - k0));
       int p1 = p0 + 1;
       while (p1 < np && lo(p, first_q(q0, p1)) < k0 + kb) ++p1;
