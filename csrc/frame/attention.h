@@ -61,10 +61,19 @@ template <class K>
 struct panel_outer_scores<K, std::void_t<decltype(K::kPanelOuterScores)>>
     : std::integral_constant<bool, K::kPanelOuterScores> {};
 
+// Keys per prefill block where E and Ev are under 128 (K::BKN, at most K::BK); K::BK where a
+// set does not say.
+template <class K, class = void>
+struct narrow_block_keys : std::integral_constant<index_t, K::BK> {};
+template <class K>
+struct narrow_block_keys<K, std::void_t<decltype(K::BKN)>> : std::integral_constant<index_t, K::BKN> {};
+
 template <class K, class KV = typename K::T>
 struct Attention {
   using T = typename K::T;
   static constexpr int MR = K::MR, NR = K::NR, BK = K::BK, VL = vector_lanes<K>::value;
+  static constexpr index_t BKN = narrow_block_keys<K>::value;
+  static_assert(BKN <= BK, "the tiles hold BK keys");
   static constexpr int kMaxNP = K::NP > K::NPW ? K::NP : K::NPW;
   static constexpr T kInf = NumLimits<T>::inf;
   static constexpr bool kHalf = !std::is_same<KV, T>::value;           // K/V stored as float16 / bfloat16 / int8
@@ -122,18 +131,19 @@ struct Attention {
     return p;
   }
 
-  // Keys per prefill block: BK, or fewer under a steep ALiBi slope, whose bias rises by
-  // |nslope| a key (log2 units). anticipate_bias takes a block's rise ahead only while it and the
-  // raw scores' spread stay within kRiseMax; past it the block goes the two-pass way, as every
-  // block of a head of slope 0.5 did in AVX2's 256-key blocks (ALiBi then took 1.34x the plain
-  // causal time) and of slopes near 1 (32 heads) in 128-key ones. Blocks over which the bias
-  // rises by at most kBlockRise leave the rest of kRiseMax to the raw scores (A/B, 1.08-1.41x
-  // faster on AVX2, 1.13-1.27x on AVX-512 with 16 or 32 heads; slope 0.5: 84-88 keys).
+  // Keys per prefill block: BK (BKN where E and Ev are under 128), or fewer under a steep ALiBi
+  // slope, whose bias rises by |nslope| a key (log2 units). anticipate_bias takes a block's rise
+  // ahead only while it and the raw scores' spread stay within kRiseMax; past it the block goes the
+  // two-pass way, as every block of a head of slope 0.5 did in AVX2's 256-key blocks (ALiBi then
+  // took 1.34x the plain causal time) and of slopes near 1 (32 heads) in 128-key ones. Blocks over
+  // which the bias rises by at most kBlockRise leave the rest of kRiseMax to the raw scores (A/B,
+  // 1.08-1.41x faster on AVX2, 1.13-1.27x on AVX-512 with 16 or 32 heads; slope 0.5: 84-88 keys).
   static constexpr T kRiseMax = T(sizeof(T) == 4 ? 100 : 996);  // (anticipate_bias)
   static constexpr T kBlockRise = T(0.64) * kRiseMax;
-  static index_t block_keys(T nslope) {
+  index_t block_keys(T nslope) const {
+    const index_t bk = a.E >= 128 || a.Ev >= 128 ? BK : BKN;
     const T rise = nslope < T(0) ? -nslope : nslope;
-    if (!(rise * T(BK) > kBlockRise)) return BK;
+    if (!(rise * T(bk) > kBlockRise)) return bk;
     return max_of<index_t>(MR, index_t(kBlockRise / rise) / MR * MR);
   }
 

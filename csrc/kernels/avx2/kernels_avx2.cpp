@@ -167,12 +167,15 @@ struct OpsF64 {
 // Register tiles: 6 rows of A broadcast x 2 vectors of B = 12 accumulators + 2 B vectors + 1
 // broadcast, 15 of the 16 ymm registers.
 // Block sizes: a 6 x KC A micro-panel (6 KiB) in L1, a KC x NC packed B block (512 KiB) in L2;
+// attention key blocks of BK = 256 keys, BKN = 128 where E and Ev are under 128 (Intel Xeon,
+// tools/ab_cores.py, 2 threads, BKN 128 over 256: D64 1.03-1.07x faster, plain, causal, cross and
+// 5-D; E64 Ev128 0.98 and D128 0.97, which keep 256; on Zen 4 128 and 256 measured alike);
 // NP = 4 panels of 16 queries per attention task share each K/V row read; NPW = 8 for heads of
 // 128 and more (A/B, 2 threads: 8 panels took 0.91-0.93 of the time at L4096 D128, and at D64
 // 1.00 plain, 1.02 causal, where longer query groups cross more diagonal blocks).
 struct sgemm_ukernel_6x16_avx2 : RegTileKernels<OpsF32, 6, 2>, TransposePs {
   static constexpr int NP = 4, NPW = 8;
-  static constexpr index_t MC = 120, KC = 256, NC = 512, BK = 256;
+  static constexpr index_t MC = 120, KC = 256, NC = 512, BK = 256, BKN = 128;
   // Scores a panel at a time, each 16-query panel's Q^T (4-8 KiB) kept in L1 while the block's K
   // rows come from L2 (Zen 4, 2 threads, tools/ab_cores.py against keys outer, six runs: L4096
   // D128 1.01-1.04x faster, L2048 D64 1.00-1.09x (the most while other work shared the machine),
