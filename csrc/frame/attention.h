@@ -5,7 +5,7 @@
 // the transposed orientation S^T = K Q^T so that the micro-kernel broadcasts K rows straight from
 // memory and vectorises across queries: K and V are read in place, only the small Q^T tile is
 // packed (with scale*log2(e) folded in; half-precision K/V blocks are converted into an L1 tile
-// as they are read). Per key block of BK keys:
+// as they are read). Per key block (BK keys, fewer for narrow heads or a steep ALiBi slope):
 //   S^T = mods(K_blk Q^T)                   (GEMM micro-kernel, A = K rows, B = Q^T)
 //   m' = m, or colmax(S^T) where that exceeds m by over kSlack; a = exp2(m - m');
 //   P^T = exp2(S^T - m'); l = a*l + colsum(P^T)
@@ -18,7 +18,7 @@
 // way). The np panels of a task share each K and V row read. Only the keys a task's queries may
 // see are visited: causal and window edges, and the valid length kv_lens, bound the key range,
 // panels join and leave as it moves, and only the blocks that cross an edge are masked element
-// by element. Scratch per thread is np * NR * (E + BK + Ev + 8) elements (plus BK * (E + Ev)
+// by element. Scratch per thread is np * NR * (E + BK + Ev + 9) elements (plus BK * (E + Ev)
 // for half K/V) whatever the sequence lengths.
 //
 // Decode (few queries, long Lk): one task = (group of heads sharing K/V, chunk of keys); all
@@ -132,18 +132,19 @@ struct Attention {
   }
 
   // Keys per prefill block: BK (BKN where E and Ev are under 128), or fewer under a steep ALiBi
-  // slope, whose bias rises by |nslope| a key (log2 units). anticipate_bias takes a block's rise
-  // ahead only while it and the raw scores' spread stay within kRiseMax; past it the block goes the
-  // two-pass way, as every block of a head of slope 0.5 did in AVX2's 256-key blocks (ALiBi then
-  // took 1.34x the plain causal time) and of slopes near 1 (32 heads) in 128-key ones. Blocks over
-  // which the bias rises by at most kBlockRise leave the rest of kRiseMax to the raw scores (A/B,
-  // 1.08-1.41x faster on AVX2, 1.13-1.27x on AVX-512 with 16 or 32 heads; slope 0.5: 84-88 keys).
+  // slope (without a mask, which sends every block the two-pass way anyway), whose bias rises by
+  // |nslope| a key (log2 units). anticipate_bias takes a block's rise ahead only while it and the
+  // raw scores' spread stay within kRiseMax; past it the block goes the two-pass way, as every block
+  // of a head of slope 0.5 did in AVX2's 256-key blocks (ALiBi then took 1.34x the plain causal
+  // time) and of slopes near 1 (32 heads) in 128-key ones. Blocks over which the bias rises by at
+  // most kBlockRise (down to MR keys) leave the rest of kRiseMax to the raw scores (A/B, 1.08-1.41x
+  // faster on AVX2, 1.13-1.27x on AVX-512 with 16 or 32 heads; slope 0.5: 84-88 keys).
   static constexpr T kRiseMax = T(sizeof(T) == 4 ? 100 : 996);  // (anticipate_bias)
   static constexpr T kBlockRise = T(0.64) * kRiseMax;
   index_t block_keys(T nslope) const {
     const index_t bk = a.E >= 128 || a.Ev >= 128 ? BK : BKN;
     const T rise = nslope < T(0) ? -nslope : nslope;
-    if (!(rise * T(bk) > kBlockRise)) return bk;
+    if (a.mask_kind != MaskKind::none || !(rise * T(bk) > kBlockRise)) return bk;
     return max_of<index_t>(MR, index_t(kBlockRise / rise) / MR * MR);
   }
 
@@ -788,7 +789,8 @@ struct Attention {
       const index_t qp = first_q(q0, i), qc = min_of<index_t>(NR, p.Lq - qp);
       pack_qt(query + a.qoff[p.bh] + qp * a.q_rs, qc, t[i].qt);
       // A short panel: the kernels skip its unused vectors, so give those columns of st a
-      // finite filler once (the column statistics run over all NR columns).
+      // finite filler once (the column statistics run over all NR columns), over BK rows:
+      // weights_panel takes the same tiles in blocks of BK.
       t[i].nr = int(qc);
       if (qc < NR)
         for (index_t j = 0, rows = min_of<index_t>(BK, kend - kbeg); j < rows; ++j)
@@ -918,16 +920,17 @@ struct Attention {
       return ps;
     };
     if (a.q_lens) return prefill_ragged<CAP, ALIBI>(nt, setup);
-    // One group a problem and every problem's keys as many (no kv_lens of different lengths):
-    // tasks of one cost, in equal runs, as the decode takes them. Each thread then takes the same
-    // heads call after call, with their rows in its caches, a GQA group's heads on one thread
-    // read their K/V once, and no counter is shared per task (a 32-token Llama-shaped prefill:
-    // 0.93x the time on demand). Else on demand, causal groups near the end of the sequence,
-    // which do the most work, first.
+    // One group a problem, every problem's keys as many and in blocks as long (ALiBi's slopes
+    // cut them differently): tasks of one cost, in equal runs, as the decode takes them. Each
+    // thread then takes the same heads call after call, with their rows in its caches, the heads
+    // of a GQA group mostly on one thread read their K/V once, and no counter is shared per task
+    // (a 32-token Llama-shaped prefill: 0.93x the time on demand). Else on demand, causal groups
+    // near the end of the sequence, which do the most work, first.
     bool even = ngroups == 1;
+    const Problem p0 = problem(0);
     for (index_t i = 1; even && i < a.bh; ++i) {
-      const Problem p = problem(i), p0 = problem(0);
-      even = hi(p, a.Lq - 1) - lo(p, 0) == hi(p0, a.Lq - 1) - lo(p0, 0);
+      const Problem p = problem(i);
+      even = hi(p, a.Lq - 1) - lo(p, 0) == hi(p0, a.Lq - 1) - lo(p0, 0) && p.bk == p0.bk;
     }
     team(nt, setup, [&](Panels& ps, const Team& tm) {
       tm.for_each(ntasks, !even, [&](index_t i) {
