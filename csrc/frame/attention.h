@@ -591,7 +591,7 @@ struct Attention {
         T f = T(1);
         if (t.cmax[c] > kSlack) {
           const T d = std::ceil(t.cmax[c]);
-          f = exp2_floored(T(-d));
+          f = exp2_neg_whole(d);
           t.m[c] = t.sub[c] = t.sub[c] + d;
         }
         t.alpha[c] = f;
@@ -749,7 +749,7 @@ struct Attention {
         if (d + (t.m[c] - t.top[c]) > kRiseMax) {  // the earlier keys' best would fall that far
           steep = true;
         } else {
-          f = exp2_floored(T(-d));
+          f = exp2_neg_whole(d);
           t.m[c] = t.sub[c] = t.sub[c] + d;
         }
       }
