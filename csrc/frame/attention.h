@@ -131,6 +131,10 @@ struct Attention {
     return p;
   }
 
+  // How many keys some query of problem p may see by position: [lo(p, 0), hi(p, Lq - 1)). Tasks
+  // over problems of one span cost alike (prefill and decode take those in equal runs).
+  index_t key_span(const Problem& p) const { return hi(p, a.Lq - 1) - lo(p, 0); }
+
   // Keys per prefill block: BK (BKN where E and Ev are under 128), or fewer under a steep ALiBi
   // slope (without a mask, which sends every block the two-pass way anyway), whose bias rises by
   // |nslope| a key (log2 units). anticipate_bias takes a block's rise ahead only while it and the
@@ -556,7 +560,7 @@ struct Attention {
         const T step = d[c] < T(64) ? d[c] : T(64);
         d[c] -= step;
         more |= d[c] > T(0);
-        t.alpha[c] = T(std::exp2(step));
+        t.alpha[c] = exp2_whole(step);
         t.l[c] *= t.alpha[c];
       }
       scale_acc(t, t.alpha);
@@ -591,7 +595,7 @@ struct Attention {
         T f = T(1);
         if (t.cmax[c] > kSlack) {
           const T d = std::ceil(t.cmax[c]);
-          f = exp2_neg_whole(d);
+          f = exp2_whole(-d);
           t.m[c] = t.sub[c] = t.sub[c] + d;
         }
         t.alpha[c] = f;
@@ -749,7 +753,7 @@ struct Attention {
         if (d + (t.m[c] - t.top[c]) > kRiseMax) {  // the earlier keys' best would fall that far
           steep = true;
         } else {
-          f = exp2_neg_whole(d);
+          f = exp2_whole(-d);
           t.m[c] = t.sub[c] = t.sub[c] + d;
         }
       }
@@ -930,7 +934,7 @@ struct Attention {
     const Problem p0 = problem(0);
     for (index_t i = 1; even && i < a.bh; ++i) {
       const Problem p = problem(i);
-      even = hi(p, a.Lq - 1) - lo(p, 0) == hi(p0, a.Lq - 1) - lo(p0, 0) && p.bk == p0.bk;
+      even = key_span(p) == key_span(p0) && p.bk == p0.bk;
     }
     team(nt, setup, [&](Panels& ps, const Team& tm) {
       tm.for_each(ntasks, !even, [&](index_t i) {
@@ -1313,7 +1317,7 @@ struct Attention {
     bool even = true;  // every group's tasks as long as every other's
     for (index_t g = 0; g < ng; ++g) {
       const Problem p = problem(g * a.group);
-      const index_t n = hi(p, a.Lq - 1) - lo(p, 0);
+      const index_t n = key_span(p);
       even = even && (g == 0 || n == span);
       span = max_of<index_t>(span, n);
     }

@@ -165,15 +165,16 @@ inline T exp2_floored(T x) {
   return x < T(kExp2Floor<T>) ? T(0) : T(std::exp2(x));
 }
 
-//   2^-d for a whole number d >= 0, 0 past the floor (exp2_floored(-d)), set in the exponent
-//   field: a rescale by whole binades, taken per query and block under ALiBi (a libm exp2 there
-//   made ALiBi prefills 1.00-1.04x slower)
+//   2^n for a whole number n, 0 below the floor as exp2_floored (inf above the range), set in
+//   the exponent field: the rescales by whole binades, one per query and block under ALiBi (a
+//   libm exp2 there made ALiBi prefills 1.00-1.04x slower)
 template <class T>
-inline T exp2_neg_whole(T d) {
-  if (!(d <= T(-kExp2Floor<T>))) return d == d ? T(0) : d;  // NaN stays NaN
-  using U = typename std::conditional<sizeof(T) == 4, std::uint32_t, std::uint64_t>::type;
+inline T exp2_whole(T n) {
   constexpr int kMant = sizeof(T) == 4 ? 23 : 52, kBias = sizeof(T) == 4 ? 127 : 1023;
-  const U bits = U(kBias - static_cast<int>(d)) << kMant;
+  if (!(n >= T(kExp2Floor<T>))) return n == n ? T(0) : n;  // NaN stays NaN
+  if (n > T(kBias)) return NumLimits<T>::inf;
+  using U = typename std::conditional<sizeof(T) == 4, std::uint32_t, std::uint64_t>::type;
+  const U bits = U(kBias + static_cast<int>(n)) << kMant;
   T r;
   std::memcpy(&r, &bits, sizeof r);
   return r;
