@@ -4,6 +4,12 @@ over the float32 cache. bfloat16 needs ml_dtypes (skipped without it).
 
     python tools/decode_dtypes.py [--threads 2] [--seconds 8] B,Hq,Hkv,Lk,D [B,Hq,Hkv,Lk,D ...]
     python tools/decode_dtypes.py 1,32,8,32768,128 4,32,8,4096,128
+    python tools/decode_dtypes.py --paged 16 4,32,8,4096,128    # + the float32 cache paged
+
+With --paged N the float32 cache is also read from a pool of N-token blocks through a shuffled
+block table (issue 10's paged target: at least 0.95 of the contiguous cache's speed). Called in
+turn, the two caches evict each other, so both come from memory; pytest-benchmark's report times
+the contiguous calls back to back, where part of a cache of L3's size stays there.
 """
 
 from __future__ import annotations
@@ -22,12 +28,30 @@ except ImportError:
     ml_dtypes = None
 
 
-def calls(b, hq, hkv, lk, d, rng):
-    """{dtype name: a kvcache_attention call on a full cache of that dtype}."""
+def paged(k, block, rng):
+    """k (B, H, L, D) as a pool of `block`-token blocks (B * ceil(L / block), H, block, D) in a
+    shuffled order, and its block table (B, ceil(L / block))."""
+    b, h, lk, d = k.shape
+    nb = -(-lk // block)
+    whole = np.zeros((b, h, nb * block, d), k.dtype)
+    whole[:, :, :lk] = k
+    table = rng.permutation(b * nb).astype(np.int32).reshape(b, nb)
+    pool = np.empty((b * nb, h, block, d), k.dtype)
+    pool[table.reshape(-1)] = whole.reshape(b, h, nb, block, d).transpose(0, 2, 1, 3, 4).reshape(b * nb, h, block, d)
+    return pool, table
+
+
+def calls(b, hq, hkv, lk, d, rng, block=0):
+    """{dtype name: a kvcache_attention call on a full cache of that dtype} (and "paged", the
+    float32 cache in blocks of `block` tokens, where block > 0)."""
     q = rng.standard_normal((b, hq, 1, d), np.float32)
     k, v = (rng.standard_normal((b, hkv, lk, d), np.float32) for _ in range(2))
     lens = np.full(b, lk, np.int64)
     out = {"float32": lambda: pyattn.kvcache_attention(q, k, v, lens)}
+    if block:
+        (kp, table), (vp, _) = paged(k, block, np.random.default_rng(1)), paged(v, block, np.random.default_rng(1))
+        out["paged"] = lambda: pyattn.kvcache_attention(q, kp, vp, lens, block_table=table)
+        assert np.array_equal(out["paged"](), out["float32"]()), "paged and contiguous caches differ"
     halves = [("float16", np.float16)] + ([("bfloat16", ml_dtypes.bfloat16)] if ml_dtypes else [])
     for name, dt in halves:
         kh, vh = k.astype(dt), v.astype(dt)
@@ -43,12 +67,13 @@ def main() -> None:
     ap.add_argument("shapes", nargs="+", help="B,Hq,Hkv,Lk,D")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=8.0, help="per shape")
+    ap.add_argument("--paged", type=int, default=0, metavar="N", help="also the float32 cache in N-token blocks")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     print(f"pyattn {pyattn.__version__}, {pyattn.show_config(file=io.StringIO())['isa']}, {args.threads} threads")
     for shape in args.shapes:
         b, hq, hkv, lk, d = map(int, shape.split(","))
-        fs = calls(b, hq, hkv, lk, d, rng)
+        fs = calls(b, hq, hkv, lk, d, rng, args.paged)
         with pyattn.num_threads(args.threads):
             ts = interleaved(fs, args.seconds)
         mn = {n: min(t) for n, t in ts.items()}
