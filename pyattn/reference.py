@@ -259,7 +259,11 @@ def scaled_dot_product_attention(
 
     # 1. the scaled scores
     scores = np.matmul(q, np.swapaxes(k, -1, -2)) * scale  # (..., Lq, Lk)
-    lead = scores.shape[:-2]  # (..., Hq)
+    # the output's leading axes (..., Hq): value's may add to those of q and k, and the lse, the
+    # weights and the per-head / per-batch keywords are shaped by them, as the output is
+    lead = np.broadcast_shapes(scores.shape[:-2], v.shape[:-2])
+    if lead != scores.shape[:-2]:
+        scores = np.broadcast_to(scores, lead + scores.shape[-2:]).copy()
 
     # where query i sits among the keys: rel = i + off - j (0 on the causal diagonal)
     off = 0

@@ -162,3 +162,44 @@ def test_reference_additive_single():
     p = np.exp(e) / np.exp(e).sum()
     np.testing.assert_allclose(w[0], p)
     np.testing.assert_allclose(out[0], p @ keys)
+
+
+def test_reference_value_adds_leading_axes():
+    """Where value's leading axes add to those of q and k, the lse, the weights and the per-head
+    and per-batch keywords take the output's leading axes, in the oracle as in pyattn."""
+    import pyattn
+
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((2, 1, 3, 4, 8))
+    k = rng.standard_normal((2, 1, 1, 9, 8))
+    v = rng.standard_normal((2, 2, 3, 9, 8))  # (B2, X2, H3)
+    kw = dict(
+        return_weights=True,
+        return_lse=True,
+        is_causal=True,
+        causal_align="bottom_right",
+        kv_lens=np.array([[7, 9], [0, 5]]),  # (B, X): the output's axes before the heads
+        alibi_slopes=rng.uniform(0.1, 1.0, (2, 2, 3)),
+        sinks=rng.standard_normal(3),
+    )
+    got = pyattn.scaled_dot_product_attention(q, k, v, **kw)
+    want = reference.scaled_dot_product_attention(q, k, v, **kw)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+    # each (b, x) slice is the call on that slice alone
+    lse = want[2]
+    for b in range(2):
+        for x in range(2):
+            one = reference.scaled_dot_product_attention(
+                q[b, 0],
+                k[b, 0],
+                v[b, x],
+                return_lse=True,
+                is_causal=True,
+                causal_align="bottom_right",
+                kv_lens=np.array(kw["kv_lens"][b, x]),
+                alibi_slopes=kw["alibi_slopes"][b, x],
+                sinks=kw["sinks"],
+            )[1]
+            np.testing.assert_allclose(lse[b, x], one, rtol=1e-13, atol=1e-13)
