@@ -386,9 +386,10 @@ def kvcache_attention(
     Hkv, block_size, E)`` with ``block_table`` ``(B, max_blocks)`` naming each sequence's blocks
     in order; read where they lie. float32, float16, bfloat16, or int8 with ``k_scale`` /
     ``v_scale`` float32 of the cache's shape without its last axis (x = q * scale; writing
-    quantises each new token and head by its absolute maximum). float64 caches with a float64
-    query compute in float64. Every check (overflow past the capacity, a block outside the cache,
-    a dtype or shape mismatch, negative lengths) raises before anything is written.
+    quantises each new token and head by its absolute maximum). A float64 cache needs a float64
+    query and computes in float64; every other cache computes in float32. Every check (overflow
+    past the capacity, a block outside the cache, a dtype or shape mismatch, negative lengths)
+    raises before anything is written.
 
     The score variants (window, softcap, alibi_slopes, sinks) are those of
     scaled_dot_product_attention. Returns ``(B, Hq, Lq, Ev)`` (and the lse ``(B, Hq, Lq)``).
