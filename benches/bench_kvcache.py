@@ -70,6 +70,7 @@ from benchutil import (
     attention_flops,
     decode_qkv,
     normal,
+    paged_pool,
     pyattn_threads,
     rng_for,
     run_timed,
@@ -207,15 +208,8 @@ def paged_inputs(case: PagedCase):
     nb = -(-L // bs)
     assert nb * bs <= L + case.spare, "spare must cover the last block"
     table = rng.permutation(B * nb).astype(np.int32).reshape(B, nb)
-    pools = []
-    for c in (kc, vc):
-        pool = np.zeros((B * nb, H, bs, D), np.float32)
-        seq = c[:, :, : nb * bs]  # whole blocks: the last one's tail is zeros, past cache_lens
-        # (B, H, nb, bs, D) -> (B, nb, H, bs, D): block j of sequence b goes to pool[table[b, j]]
-        pool[table.reshape(-1)] = seq.reshape(B, H, nb, bs, D).transpose(0, 2, 1, 3, 4).reshape(B * nb, H, bs, D)
-        pools.append(pool)
     lens = np.full(B, L, np.int64)
-    return q, kc, vc, pools[0], pools[1], table, lens
+    return q, kc, vc, paged_pool(kc, table, bs), paged_pool(vc, table, bs), table, lens
 
 
 @functools.lru_cache(maxsize=1)

@@ -100,6 +100,20 @@ def decode_qkv(tag: str, name: str, hq: int, hkv: int, lk: int, d: int):
     return normal(rng, (1, hq, 1, d)), normal(rng, (1, hkv, lk, d)), normal(rng, (1, hkv, lk, d))
 
 
+def paged_pool(cache: np.ndarray, table: np.ndarray, block: int) -> np.ndarray:
+    """cache (B, H, L, D) as the pool (B * nb, H, block, D) that the block table ``table`` (B,
+    nb), a permutation of the pool's blocks, reads it through: logical block j of sequence b lies
+    in pool[table[b, j]]. Rows past L (the last block's tail) are zeros."""
+    b, h, length, d = cache.shape
+    nb = table.shape[1]
+    n = min(length, nb * block)
+    whole = np.zeros((b, h, nb * block, d), cache.dtype)
+    whole[:, :, :n] = cache[:, :, :n]
+    pool = np.empty((b * nb, h, block, d), cache.dtype)
+    pool[table.reshape(-1)] = whole.reshape(b, h, nb, block, d).transpose(0, 2, 1, 3, 4).reshape(b * nb, h, block, d)
+    return pool
+
+
 def _cpu_ident() -> tuple:
     """(model name, family, model) of the first CPU in /proc/cpuinfo; ("", "", "") elsewhere.
 

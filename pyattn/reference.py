@@ -262,8 +262,7 @@ def scaled_dot_product_attention(
     # the output's leading axes (..., Hq): value's may add to those of q and k, and the lse, the
     # weights and the per-head / per-batch keywords are shaped by them, as the output is
     lead = np.broadcast_shapes(scores.shape[:-2], v.shape[:-2])
-    if lead != scores.shape[:-2]:
-        scores = np.broadcast_to(scores, lead + scores.shape[-2:]).copy()
+    scores = np.broadcast_to(scores, lead + scores.shape[-2:])  # a view: every step below makes a new array
 
     # where query i sits among the keys: rel = i + off - j (0 on the causal diagonal)
     off = 0

@@ -16,29 +16,21 @@ from __future__ import annotations
 
 import argparse
 import io
+import sys
+from pathlib import Path
 
 import numpy as np
 from _interleave import interleaved
 
 import pyattn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benches"))
+from benchutil import paged_pool  # noqa: E402  (the benches' paged layout)
+
 try:
     import ml_dtypes
 except ImportError:
     ml_dtypes = None
-
-
-def paged(k, block, rng):
-    """k (B, H, L, D) as a pool of `block`-token blocks (B * ceil(L / block), H, block, D) in a
-    shuffled order, and its block table (B, ceil(L / block))."""
-    b, h, lk, d = k.shape
-    nb = -(-lk // block)
-    whole = np.zeros((b, h, nb * block, d), k.dtype)
-    whole[:, :, :lk] = k
-    table = rng.permutation(b * nb).astype(np.int32).reshape(b, nb)
-    pool = np.empty((b * nb, h, block, d), k.dtype)
-    pool[table.reshape(-1)] = whole.reshape(b, h, nb, block, d).transpose(0, 2, 1, 3, 4).reshape(b * nb, h, block, d)
-    return pool, table
 
 
 def calls(b, hq, hkv, lk, d, rng, block=0):
@@ -49,7 +41,9 @@ def calls(b, hq, hkv, lk, d, rng, block=0):
     lens = np.full(b, lk, np.int64)
     out = {"float32": lambda: pyattn.kvcache_attention(q, k, v, lens)}
     if block:
-        (kp, table), (vp, _) = paged(k, block, np.random.default_rng(1)), paged(v, block, np.random.default_rng(1))
+        nb = -(-lk // block)
+        table = rng.permutation(b * nb).astype(np.int32).reshape(b, nb)
+        kp, vp = paged_pool(k, table, block), paged_pool(v, table, block)
         out["paged"] = lambda: pyattn.kvcache_attention(q, kp, vp, lens, block_table=table)
         assert np.array_equal(out["paged"](), out["float32"]()), "paged and contiguous caches differ"
     halves = [("float16", np.float16)] + ([("bfloat16", ml_dtypes.bfloat16)] if ml_dtypes else [])
