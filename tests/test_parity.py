@@ -1033,3 +1033,56 @@ def test_alibi_negative_slope_with_a_sink(isa):
     wo, wl = reference.scaled_dot_product_attention(*(a.astype(np.float64) for a in (q, k, v)), **kw)
     np.testing.assert_allclose(o, wo, rtol=0, atol=1e-5 * np.abs(wo).max())
     np.testing.assert_allclose(lse, wl, rtol=1e-5)
+
+
+# ------------------------------------------------ short prefills with an edge (query-row tiles)
+
+# Shapes of the short-prefill path that takes a row per query (causal or a window, at most 128
+# keys, at most 256 queries, Ev a whole number of vectors) and of its limits: 129 keys, 257
+# queries and Ev = 40 (not whole AVX-512 vectors) take the panels.
+SHORT_EDGE_SHAPES = [
+    (32, 32, 32, 8, 128, 128),  # a 32-token Llama-shaped prefill
+    (33, 33, 1, 1, 64, 64),
+    (7, 128, 4, 2, 16, 32),
+    (100, 77, 2, 1, 64, 64),
+    (256, 100, 3, 3, 48, 64),
+    (9, 9, 8, 8, 64, 48),
+    (129, 129, 2, 1, 64, 64),
+    (257, 128, 2, 2, 32, 32),
+    (24, 24, 2, 2, 64, 40),
+]
+SHORT_EDGE_KW = {
+    "causal": dict(is_causal=True),
+    "causal_br": dict(is_causal=True, causal_align="bottom_right"),
+    "window_causal": dict(is_causal=True, window=(5, 0)),
+    "window": dict(window=(6, 3)),
+    "variants": dict(is_causal=True, softcap=3.0, alibi="slopes", sinks="sinks", kv_lens="half"),
+    "mask_causal": dict(is_causal=True, attn_mask="bool"),
+}
+
+
+def _short_edge_args(rng, dtype, lq, lk, hq, hkv, e, ev, kw):
+    q = randn(rng, (2, hq, lq, e), dtype)
+    k = randn(rng, (2, hkv, lk, e), dtype)
+    v = randn(rng, (2, hkv, lk, ev), dtype)
+    kw = dict(kw, enable_gqa=hq != hkv)
+    if kw.pop("alibi", None):
+        kw["alibi_slopes"] = rng.uniform(0.01, 0.5, hq)
+    if kw.pop("sinks", None):
+        kw["sinks"] = rng.uniform(-1.0, 2.0, hq)
+    if kw.get("kv_lens") == "half":
+        kw["kv_lens"] = np.array([lk, max(1, lk // 2)])
+    if kw.get("attn_mask") == "bool":
+        kw["attn_mask"] = bool_mask(rng, (2, 1, lq, lk))
+    return (q, k, v), kw
+
+
+@dtype_param
+@pytest.mark.parametrize("lq,lk,hq,hkv,e,ev", SHORT_EDGE_SHAPES)
+@pytest.mark.parametrize("kw", list(SHORT_EDGE_KW.values()), ids=list(SHORT_EDGE_KW))
+def test_short_prefill_with_an_edge(isa, dtype, lq, lk, hq, hkv, e, ev, kw, rng):
+    """Output, weights and lse against the reference, every score variant and a mask through the
+    row tiles; the same bits for 1, 2 and 3 threads (the rows are cut into runs by thread count)."""
+    args, kw = _short_edge_args(rng, dtype, lq, lk, hq, hkv, e, ev, kw)
+    check(args, kw, dtype)
+    check_threads_agree(*args, dtype, **kw)

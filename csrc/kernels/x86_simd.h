@@ -352,9 +352,8 @@ struct VecKernels {
     V acc = Ops::set1(m);
     index_t i = 0;
     for (; i + L <= n; i += L) acc = Ops::max(Ops::load(x + i), acc);
-    alignas(64) T lanes[L];
-    Ops::store(lanes, acc);
-    for (int l = 0; l < L; ++l) m = lanes[l] > m ? lanes[l] : m;
+    const T r = Ops::reduce_max(acc);  // a shuffle tree: a scalar chain over the lanes was 16 compares' latency
+    m = r > m ? r : m;
     for (; i < n; ++i) m = x[i] > m ? x[i] : m;
     return m;
   }

@@ -60,6 +60,7 @@ struct OpsF32 {
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static T reduce_max(V v) { return _mm512_reduce_max_ps(v); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V div(V a, V b) { return _mm512_div_ps(a, b); }
@@ -127,6 +128,7 @@ struct OpsF64 {
   static V add(V a, V b) { return _mm512_add_pd(a, b); }
   static V sub(V a, V b) { return _mm512_sub_pd(a, b); }
   static V max(V a, V b) { return _mm512_max_pd(a, b); }
+  static T reduce_max(V v) { return _mm512_reduce_max_pd(v); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_pd(a, b, c); }
   static V mul(V a, V b) { return _mm512_mul_pd(a, b); }
   static V div(V a, V b) { return _mm512_div_pd(a, b); }

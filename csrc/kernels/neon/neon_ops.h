@@ -184,6 +184,7 @@ struct OpsF32 {
   // fmax returns NaN when either operand is NaN; the kernels only compare these maxima with >,
   // for which a NaN is no larger than anything, as with the x86 max.
   static V max(V a, V b) { return vmaxq_f32(a, b); }
+  static T reduce_max(V v) { return vmaxvq_f32(v); }
   static V fma(V a, V b, V c) { return vfmaq_f32(c, a, b); }
   static V mul(V a, V b) { return vmulq_f32(a, b); }
   static V div(V a, V b) { return vdivq_f32(a, b); }
@@ -268,6 +269,7 @@ struct OpsF64 {
   static V add(V a, V b) { return vaddq_f64(a, b); }
   static V sub(V a, V b) { return vsubq_f64(a, b); }
   static V max(V a, V b) { return vmaxq_f64(a, b); }
+  static T reduce_max(V v) { return vmaxvq_f64(v); }
   static V fma(V a, V b, V c) { return vfmaq_f64(c, a, b); }
   static V mul(V a, V b) { return vmulq_f64(a, b); }
   static V div(V a, V b) { return vdivq_f64(a, b); }
