@@ -21,6 +21,11 @@
 // by element. Scratch per thread is np * NR * (E + BK + Ev + 9) elements (plus BK * (E + Ev)
 // for half K/V) whatever the sequence lengths.
 //
+// Short prefill with a causal or window edge (at most 128 keys, 256 queries; prefill_rows): a
+// row per query, as in the decode. S = Q K^T with Q read in place and one packed K^T per head
+// group, each row's softmax whole (its keys all in one tile), O = P V stored straight into the
+// output: no Q^T / O^T transposes per head, and the diagonal's masked halves go by rows.
+//
 // Decode (few queries, long Lk): one task = (group of heads sharing K/V, chunk of keys); all
 // queries of the group are rows that share each K and V row read (converted in registers when
 // half); chunks are merged exactly through their log-sum-exp, so both cores stream K/V even when
