@@ -4,7 +4,8 @@ A partial vector at the end of a row (head sizes that are not a whole number of 
 with a masked load, or, where the ISA has none for 16-bit and 8-bit lanes (AVX2), by 32-bit masked
 lanes and single bytes. These tests put the last K and V row of float32, float16, bfloat16 and
 int8 caches right before a PROT_NONE page and run every kernel set over them, prefill and decode,
-grouped heads and single ones: a read of one byte too many is a segmentation fault. Each test runs
+grouped heads and single ones, causal or not (short causal prefills read V in place as a GEMM
+operand): a read of one byte too many is a segmentation fault. Each test runs
 its cases in a child process, so that such a fault fails the test instead of the whole session.
 """
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mm
 
 CHILD = textwrap.dedent(
     r"""
-    import ctypes, mmap, sys
+    import ctypes, itertools, mmap, sys
     import numpy as np
     import pyattn
     from pyattn import _core, reference
@@ -60,19 +61,21 @@ CHILD = textwrap.dedent(
     n = 0
     for isa in _core.available_isas():
         _core.set_isa(isa)
-        for E in (1, 3, 5, 13, 17, 33):
+        for E in (1, 3, 5, 13, 16, 17, 32, 33):
             for Lk in (1, 7, 70):
                 if kind == "float":
-                    for name, dt in dtypes.items():
+                    # causal: short prefills take a row per query, V read in place by the GEMM
+                    for (name, dt), causal in itertools.product(dtypes.items(), (False, True)):
                         for hq, hkv, lq in ((4, 1, 1), (1, 1, 1), (2, 2, 9), (8, 2, 3)):
                             q = rng.standard_normal((1, hq, lq, E)).astype(np.float32)
                             k = at_page_end(rng.standard_normal((1, hkv, Lk, E)).astype(dt))
                             v = at_page_end(rng.standard_normal((1, hkv, Lk, E)).astype(dt))
-                            got = pyattn.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                            kw = dict(enable_gqa=True, is_causal=causal)
+                            got = pyattn.scaled_dot_product_attention(q, k, v, **kw)
                             want = reference.scaled_dot_product_attention(
-                                q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), enable_gqa=True
+                                q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), **kw
                             )
-                            check(got, want, (isa, name, E, Lk, hq, hkv, lq))
+                            check(got, want, (isa, name, E, Lk, hq, hkv, lq, causal))
                             n += 1
                 else:  # an int8 cache, full: its last row ends at the page
                     for hq, hkv, lq in ((4, 1, 1), (1, 1, 1), (2, 2, 4)):

@@ -1086,3 +1086,63 @@ def test_short_prefill_with_an_edge(isa, dtype, lq, lk, hq, hkv, e, ev, kw, rng)
     args, kw = _short_edge_args(rng, dtype, lq, lk, hq, hkv, e, ev, kw)
     check(args, kw, dtype)
     check_threads_agree(*args, dtype, **kw)
+
+
+@pytest.mark.parametrize("lq,lk", [(12, 12), (60, 60), (9, 200)], ids=["rows", "panels", "long"])
+def test_a_nan_score_makes_the_whole_weights_row_nan(isa, lq, lk, rng):
+    """A row with a NaN score has NaN weights at every key, as in the reference, also at the keys
+    outside its tiles (they kept the caller's zeros); its output and lse are NaN, the other rows
+    are right."""
+    q = randn(rng, (1, 1, lq, 8), np.float32)
+    k = randn(rng, (1, 1, lk, 8), np.float32)
+    v = randn(rng, (1, 1, lk, 16), np.float32)
+    k[0, 0, 1, 0] = np.nan  # seen by every row from 1 on (top-left causal)
+    kw = dict(is_causal=True, return_weights=True, return_lse=True)
+    got = sdpa(q, k, v, **kw)
+    want = ref_sdpa(q, k, v, **kw)
+    for name, g, w in zip(["output", "weights", "lse"], got, want):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=f"NaN pattern of the {name}")
+        assert_close(np.nan_to_num(g), np.nan_to_num(w), np.float32, what=name)
+    assert np.isnan(got[1][0, 0, 1:]).all()
+
+
+@pytest.mark.parametrize("lq,lk", [(1, 9), (12, 12), (60, 60), (23, 8)], ids=["decode", "rows", "panels", "empty"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_mask_entry_at_a_key_hidden_by_position_changes_nothing(isa, lq, lk, bad, rng):
+    """An additive mask's NaN or +-inf where the query cannot see the key by position (causal,
+    kv_lens) is not added to anything (it was: -inf + NaN made the row NaN), on the decode, the
+    row tiles and the panels; a row that sees no key stays zeros with lse -inf."""
+    q = randn(rng, (1, 2, lq, 8), np.float32)
+    k = randn(rng, (1, 2, lk, 8), np.float32)
+    v = randn(rng, (1, 2, lk, 16), np.float32)
+    kw = dict(is_causal=True, causal_align="bottom_right", kv_lens=np.array([lk - 1]), return_lse=True)
+    mask = rng.uniform(-1.0, 1.0, (lq, lk)).astype(np.float32)
+    mask[:, lk - 1] = bad  # past kv_lens: hidden from every query
+    for i in range(lq):  # and the first key each query cannot see by causality, where there is one
+        j = i + (lk - 1) - lq + 1
+        if 0 <= j < lk:
+            mask[i, j] = bad
+    got = sdpa(q, k, v, mask, **kw)
+    want = ref_sdpa(q, k, v, mask, **kw)
+    assert np.isfinite(got[0]).all()
+    for name, g, w in zip(["output", "lse"], got, want):
+        assert_close(g, w, np.float32, what=name)
+
+
+@pytest.mark.parametrize("ev", [32, 48, 36], ids=["rows", "rows48", "panels"])
+def test_an_inf_value_with_a_heavy_sink_stays_inf(isa, ev):
+    """Key 0 weighs e^-190 next to a sink of 120 (below float32's range once normalised) and its
+    value is inf: queries 1-3 give inf, as the reference and the panels' acc / l do, not 0 * inf
+    = NaN from a normalised weight that underflowed (the short rows scale the output when a sink
+    is given). Query 0 sees key 0 alone and is NaN (inf - inf in its own output; not asserted)."""
+    q = np.ones((1, 1, 12, 1), np.float32)
+    k = np.zeros((1, 1, 12, 1), np.float32)
+    k[0, 0, 1:, 0] = 70.0
+    v = np.ones((1, 1, 12, ev), np.float32)
+    v[0, 0, 0, 0] = np.inf
+    kw = dict(is_causal=True, scale=1.0, sinks=np.array([120.0]))
+    got = sdpa(q, k, v, **kw)
+    with np.errstate(all="ignore"):
+        want = ref_sdpa(q, k, v, **kw)
+    np.testing.assert_array_equal(got[0, 0, 1:4, 0], want[0, 0, 1:4, 0])
+    assert np.isinf(got[0, 0, 1:4, 0]).all()

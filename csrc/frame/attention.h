@@ -273,13 +273,14 @@ struct Attention {
   }
 
   // s[j*stride] = -inf where key k0+j (j < kb) is hidden from query qi of problem p (outside
-  // [lo, hi): causal, window, kv_lens; or a false bool mask); an additive mask is added. The
+  // [lo, hi): causal, window, kv_lens; or a false bool mask); an additive mask is added to the
+  // keys the query sees (a NaN or inf entry at a hidden key changes nothing, as in the reference). The
   // decode rows' masking; the prefill tiles set the edges by rows (mask_edges), then apply_mask.
   PYATTN_PHASE void mask_row(const Problem& p, index_t qi, index_t k0, index_t kb, T* s, index_t stride) const {
     const auto [jl, jh] = seen(p, qi, k0, kb);
     for (index_t j = 0; j < jl; ++j) s[j * stride] = -kInf;
     for (index_t j = jh; j < kb; ++j) s[j * stride] = -kInf;
-    apply_mask(p, qi, k0, kb, s, stride);
+    apply_mask(p, qi, k0 + jl, jh - jl, s + jl * stride, stride);
   }
 
   // The call's mask on query qi's scores of keys k0..k0+kb (s[j*stride]), if it has one.
@@ -423,7 +424,10 @@ struct Attention {
       const index_t qp = q0 + i * NR, qc = min_of<index_t>(NR, p.Lq - qp);
       mask_edges(p, qp, qc, k0, kb, t[i].st);
       if (a.mask_kind != MaskKind::none)
-        for (index_t c = 0; c < qc; ++c) apply_mask(p, qp + c, k0, kb, t[i].st + c, NR);
+        for (index_t c = 0; c < qc; ++c) {  // on the keys each query sees by position only
+          const auto [jl, jh] = seen(p, qp + c, k0, kb);
+          if (jh > jl) apply_mask(p, qp + c, k0 + jl, jh - jl, t[i].st + jl * NR + c, NR);
+        }
     }
   }
 
@@ -903,6 +907,14 @@ struct Attention {
         for (index_t j = 0; j < kb; ++j) wr[j] = t.st[j * NR + c] * t.inv[c];
       }
     }
+    for (index_t c = 0; c < qc; ++c) nan_weights_row(t.inv[c], w + c * a.w_rs);
+  }
+
+  // A row whose sum is NaN (a NaN score) has NaN weights at every key, as in the reference, not
+  // only at the keys of its blocks.
+  void nan_weights_row(T inv, T* wr) const {
+    if (inv == inv) return;
+    for (index_t j = 0; j < a.Lk; ++j) wr[j] = inv;
   }
 
   // Query panels per prefill task: wide heads (E >= 128) share each K/V row among NPW.
@@ -976,8 +988,8 @@ struct Attention {
   // vectorised across keys. A task is a head group's K/V and a run of query rows of each head:
   //   K^T = s2 K[kp0:kp1]^T                 (packed once for the group's heads: the only copy)
   //   S[r0:r0+mr] = mods(Q rows K^T)         (GEMM micro-kernel, A = Q rows in place)
-  //   per row: masked; m = max(S); P = exp2(S - m); l = sum(P); P *= 1 / (l + sink)
-  //   O[r0:r0+mr] = P V                      (GEMM micro-kernel, B = V rows in place, into out)
+  //   per row: masked; m = max(S); P = exp2(S - m); l = sum(P); P /= l (without a sink)
+  //   O[r0:r0+mr] = P V, / (l + sink) with one (GEMM micro-kernel, B = V rows in place, into out)
   // With every key in one tile the softmax needs no running statistics, and the panel path's
   // Q^T packing and O^T transpose, per query head, go: at 32 queries of 128 those were a sixth
   // of the time, and a GQA group shares one K^T.
@@ -1025,7 +1037,8 @@ struct Attention {
         for (index_t c = 0; c < nv; c += NR)
           K::ukernel(mr, E, query + a.qoff[h] + r0 * a.q_rs, a.q_rs, 1, kt + (c0 - kp0) + c, ldk, s + c, ldk,
                      int(min_of<index_t>(NR, nv - c)), false);
-        softmax_rows(p, r0, mr, c0, n, nv, s, ldk);
+        T inv[MR];
+        softmax_rows(p, r0, mr, c0, n, nv, s, ldk, inv);
         T* o = out + a.ooff[h] + r0 * a.o_rs;
         if (ch <= cl) {  // no key for any of these rows
           for (int r = 0; r < mr; ++r)
@@ -1048,17 +1061,31 @@ struct Attention {
           for (index_t d0 = 0; d0 < Ev; d0 += NR)
             K::ukernel(rows, jh - jl, s + r * ldk + (jl - c0), ldk, 1, vb + jl * a.v_rs + d0, a.v_rs, orow + d0, a.o_rs,
                        int(min_of<index_t>(NR, Ev - d0)), false);
+          for (int x = 0; x < rows && !rows_normalise_p(); ++x) {  // out = (P V) / l, as the panels'
+            T* ox = orow + x * a.o_rs;
+            const T f = inv[r + x];
+#pragma omp simd
+            for (index_t d = 0; d < Ev; ++d) ox[d] *= f;
+          }
         }
       }
     }
   }
 
+  // Without a sink a row's l is at least 1 (its largest weight is exp2(0)) and at most its n
+  // keys, so P / l turns no nonzero weight into 0, and normalising P (nv a row) costs less than
+  // the output (Ev a row: 3-5% of a 32-token prefill). With a sink l can be huge, and a weight
+  // that underflowed would make an inf value NaN (0 * inf) where the panels' acc / l gives inf:
+  // then the output is scaled.
+  bool rows_normalise_p() const { return sinks == nullptr; }
+
   // Rows r0 .. r0 + mr - 1 of S (queries; keys [c0, c0 + n), s2 units, rows ldk apart) into
-  // their normalised weights, in place, and 0 up to nv (whole vectors):
-  //   s = masked(mods(s)); m = max(s); s = exp2(s - m); l = sum(s); s *= 1 / (l + sink)
-  // and their lse and weights where asked for. Each step is taken for every row before the next,
-  // so the rows' reductions overlap rather than wait one on the other.
-  void softmax_rows(const Problem& p, index_t r0, int mr, index_t c0, index_t n, index_t nv, T* s, index_t ldk) const {
+  // their weights, in place, and 0 up to nv (whole vectors):
+  //   s = masked(mods(s)); m = max(s); s = exp2(s - m); l = sum(s); inv = 1 / (l + sink)
+  // then s *= inv where rows_normalise_p; and their lse and weights (s * inv) where asked for. Each step is taken for
+  // every row before the next, so the rows' reductions overlap rather than wait one on the other.
+  void softmax_rows(const Problem& p, index_t r0, int mr, index_t c0, index_t n, index_t nv, T* s, index_t ldk,
+                    T* inv) const {
     T sub[MR], l[MR];
     for (int r = 0; r < mr; ++r) {
       T* x = s + r * ldk;
@@ -1074,13 +1101,17 @@ struct Attention {
     for (int r = 0; r < mr; ++r) {
       T* x = s + r * ldk;
       const index_t qi = r0 + r;
-      const T inv = inv_of(with_sink(p, sub[r], l[r]));
+      inv[r] = inv_of(with_sink(p, sub[r], l[r]));
+      const T f = rows_normalise_p() ? T(1) : inv[r];  // the weights' factor left after this
+      if (rows_normalise_p()) {
 #pragma omp simd
-      for (index_t j = 0; j < nv; ++j) x[j] *= inv;
+        for (index_t j = 0; j < nv; ++j) x[j] *= inv[r];
+      }
       if (lse) lse[a.lseoff[p.bh] + qi * a.lse_s] = lse_of(p, sub[r], l[r]);
       if (weights) {
-        T* w = weights + a.woff[p.bh] + qi * a.w_rs + c0;
-        for (index_t j = 0; j < n; ++j) w[j] = x[j];
+        T* w = weights + a.woff[p.bh] + qi * a.w_rs;
+        for (index_t j = 0; j < n; ++j) w[c0 + j] = x[j] * f;
+        nan_weights_row(inv[r], w);
       }
     }
   }

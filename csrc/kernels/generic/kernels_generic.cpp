@@ -11,16 +11,17 @@ namespace generic {
 template <class T, int MR, int NR>
 inline void gemm_ukernel_ref(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                              index_t ldc, int nr, bool accumulate) {
+  // mr <= MR and nr <= NR always; clamped so that GCC can see it (else -Warray-bounds on acc).
+  // Only nr columns of B are read: B may be the caller's rows in place (the short prefill's V).
+  const int m = mr < MR ? mr : MR, n = nr < NR ? nr : NR;
   T acc[MR][NR] = {};
   for (index_t p = 0; p < k; ++p) {
     const T* bp = b + p * ldb;
     for (int r = 0; r < mr; ++r) {
       const T av = a[r * rsa + p * csa];
-      for (int j = 0; j < NR; ++j) acc[r][j] += av * bp[j];
+      for (int j = 0; j < n; ++j) acc[r][j] += av * bp[j];
     }
   }
-  // mr <= MR and nr <= NR always; clamped so that GCC can see it (else -Warray-bounds on acc)
-  const int m = mr < MR ? mr : MR, n = nr < NR ? nr : NR;
   for (int r = 0; r < m; ++r)
     for (int j = 0; j < n; ++j) c[r * ldc + j] = accumulate ? c[r * ldc + j] + acc[r][j] : acc[r][j];
 }
