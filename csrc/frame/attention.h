@@ -66,6 +66,23 @@ template <class K>
 struct panel_outer_scores<K, std::void_t<decltype(K::kPanelOuterScores)>>
     : std::integral_constant<bool, K::kPanelOuterScores> {};
 
+// The GEMM micro-kernel the short prefill's rows call (K::ukernel_rows, B at any row stride),
+// K::ukernel where a set has no instance of its own.
+template <class K, class = void>
+struct rows_ukernel {
+  template <class... A>
+  static void call(A... args) {
+    K::ukernel(args...);
+  }
+};
+template <class K>
+struct rows_ukernel<K, std::void_t<decltype(&K::ukernel_rows)>> {
+  template <class... A>
+  static void call(A... args) {
+    K::ukernel_rows(args...);
+  }
+};
+
 // Keys per prefill block where E and Ev are under 128 (K::BKN, at most K::BK); K::BK where a
 // set does not say.
 template <class K, class = void>
@@ -1035,8 +1052,8 @@ struct Attention {
         // the scores of whole vectors (nv columns), those past the n keys then hidden
         const index_t c0 = cl / VL * VL, n = ch > c0 ? ch - c0 : 0, nv = round_up(n, VL);
         for (index_t c = 0; c < nv; c += NR)
-          K::ukernel(mr, E, query + a.qoff[h] + r0 * a.q_rs, a.q_rs, 1, kt + (c0 - kp0) + c, ldk, s + c, ldk,
-                     int(min_of<index_t>(NR, nv - c)), false);
+          rows_ukernel<K>::call(mr, E, query + a.qoff[h] + r0 * a.q_rs, a.q_rs, index_t(1), kt + (c0 - kp0) + c, ldk,
+                                s + c, ldk, int(min_of<index_t>(NR, nv - c)), false);
         T inv[MR];
         softmax_rows(p, r0, mr, c0, n, nv, s, ldk, inv);
         T* o = out + a.ooff[h] + r0 * a.o_rs;
@@ -1059,8 +1076,8 @@ struct Attention {
             continue;
           }
           for (index_t d0 = 0; d0 < Ev; d0 += NR)
-            K::ukernel(rows, jh - jl, s + r * ldk + (jl - c0), ldk, 1, vb + jl * a.v_rs + d0, a.v_rs, orow + d0, a.o_rs,
-                       int(min_of<index_t>(NR, Ev - d0)), false);
+            rows_ukernel<K>::call(rows, jh - jl, s + r * ldk + (jl - c0), ldk, index_t(1), vb + jl * a.v_rs + d0,
+                                  a.v_rs, orow + d0, a.o_rs, int(min_of<index_t>(NR, Ev - d0)), false);
           for (int x = 0; x < rows && !rows_normalise_p(); ++x) {  // out = (P V) / l, as the panels'
             T* ox = orow + x * a.o_rs;
             const T f = inv[r + x];

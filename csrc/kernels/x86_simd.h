@@ -185,7 +185,9 @@ constexpr int tile_vectors = int(std::extent<std::remove_reference_t<Acc>, 1>::v
 
 // C[mr x nr] (+)= A[mr x k] B[k x nr]: the ceil(nr / L) vectors that hold the first nr columns
 // are computed, only the first nr columns of C are loaded and stored.
-template <class Ops, int NVMAX, int MR>
+// Distinct (Tag) instances for distinct callers: GCC specialises a static kernel for argument
+// values that all of its calls share (a B panel NR wide), which a caller passing others undoes.
+template <class Ops, int NVMAX, int MR, int Tag = 0>
 static inline void gemm_ukernel(int mr, index_t k, const typename Ops::T* a, index_t rsa, index_t csa,
                                 const typename Ops::T* b, index_t ldb, typename Ops::T* c, index_t ldc, int nr,
                                 bool accumulate) {
@@ -724,6 +726,13 @@ struct RegTileKernels : VecKernels<Ops> {
   static void ukernel(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                       index_t ldc, int nr, bool acc) {
     gemm_ukernel<Ops, NV, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, acc);
+  }
+  // The same, for B read in place at any row stride (the short prefill's rows: K^T, V): an
+  // instance of its own, so that the GEMM's and the panels' calls keep theirs specialised for
+  // B panels NR wide (sharing one cost the AVX2 matmul micro-kernel 4% more instructions).
+  static void ukernel_rows(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
+                           index_t ldc, int nr, bool acc) {
+    gemm_ukernel<Ops, NV, MR, 1>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, acc);
   }
   template <bool CAP, bool ALIBI>
   static void ukernel_exp2(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
