@@ -1164,7 +1164,9 @@ struct Attention {
   // (on the Xeon, 4 the same as 2).
   static constexpr index_t PFD = 2;
 
-  // Rows of a decode task: all Lq queries of the `group` heads that share one K/V.
+  // Rows of a decode task: all Lq queries of the `group` heads that share one K/V, at most
+  // kDecodeRows (use_decode).
+  static constexpr index_t kDecodeRows = 32;
   struct Rows {
     index_t R;
     T *q, *s, *acc, *m, *l;
@@ -1253,8 +1255,8 @@ struct Attention {
     Problem pg;  // the group's K/V
     index_t j0, j1;
     const KV *kb0, *vb0;
-    const float *ks0, *vs0;  // int8: the scales of key j, addressed through the same slots as its row
-    Problem rp[16];          // R = group * Lq <= 16 on this path (use_decode)
+    const float *ks0, *vs0;   // int8: the scales of key j, addressed through the same slots as its row
+    Problem rp[kDecodeRows];  // R = group * Lq <= kDecodeRows on this path (use_decode)
     Slots ring[PFD + 1];
   };
 
@@ -1618,7 +1620,7 @@ struct Attention {
   // Decode when each K/V row would otherwise be read for a single query tile that is mostly
   // padding: few queries per head group, and no weights asked for.
   static bool use_decode(const AttnArgs& args) {
-    return !args.weights && !args.q_lens && args.Lq * args.group <= 16 && args.Lq <= 8;
+    return !args.weights && !args.q_lens && args.Lq * args.group <= kDecodeRows && args.Lq <= 8;
   }
 
   static void run(const AttnArgs& args) {
