@@ -1164,5 +1164,5 @@ def test_decode_rows_of_large_groups(isa, dtype, lq, hq, hkv, kw, rng):
     args, kw = _short_edge_args(
         rng, dtype, lq, 300, hq, hkv, 64, 64, dict(kw, is_causal=True, causal_align="bottom_right")
     )
-    check(args, dict(kw, return_weights=False), dtype, extras=("lse",))
+    check(args, dict(kw, return_weights=False), dtype)
     check_threads_agree(*args, dtype, **kw)

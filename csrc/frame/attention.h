@@ -652,9 +652,7 @@ struct Attention {
     // some of the panels' queries cannot see (before the last one's left edge, from the first
     // one's right edge on) and that is not finite sends the block to pv_exact.
     const index_t qz = min_of<index_t>(p.Lq, q0 + index_t(np) * NR) - 1;
-    const index_t rl = seen(p, qz, k0, kb).first, rh = max_of<index_t>(rl, seen(p, q0, k0, kb).second);
-    const bool exact = (rl > 0 || rh < kb) && !(finite_rows(blk.v, blk.v_rs, rl, a.Ev) &&
-                                                finite_rows(blk.v + rh * blk.v_rs, blk.v_rs, kb - rh, a.Ev));
+    const bool exact = !edge_values_finite(p, q0, qz, k0, kb, blk.v, blk.v_rs);
     // On the last block, when the panels taking it have few output rows, those rows instead, for
     // writing: finish_panel stores them next, and its stores otherwise wait on every line (more
     // rows would push the tiles out of L1: finish_panel asks for those one panel at a time).
@@ -927,6 +925,15 @@ struct Attention {
     for (index_t c = 0; c < qc; ++c) nan_weights_row(t.inv[c], w + c * a.w_rs);
   }
 
+  // Whether the value rows of keys [k0, k0 + kb) (v, rows v_rs apart) that some of the queries
+  // qa..qz see by position and others do not (before qz's left edge, from qa's right edge on)
+  // are all finite: where one is not, each query must take exactly the rows it sees (0 * inf).
+  bool edge_values_finite(const Problem& p, index_t qa, index_t qz, index_t k0, index_t kb, const T* v,
+                          index_t v_rs) const {
+    const index_t rl = seen(p, qz, k0, kb).first, rh = max_of<index_t>(rl, seen(p, qa, k0, kb).second);
+    return finite_rows(v, v_rs, rl, a.Ev) && finite_rows(v + rh * v_rs, v_rs, kb - rh, a.Ev);
+  }
+
   // A row whose sum is NaN (a NaN score) has NaN weights at every key, as in the reference, not
   // only at the keys of its blocks.
   void nan_weights_row(T inv, T* wr) const {
@@ -1018,17 +1025,13 @@ struct Attention {
   static constexpr index_t kRowsMaxQueries = 256;
   static bool use_rows(const AttnArgs& args) {
     const bool edge = args.causal || args.win_left < kNoLimit || args.win_right < kNoLimit;
-    return edge && !kHalf && !args.block_table && !args.q_lens && args.Lk <= kRowsMaxKeys &&
-           args.Lq <= kRowsMaxQueries && args.Ev % VL == 0 && !gathers_rows(args, args.k_rs, args.E) &&
-           !gathers_rows(args, args.v_rs, args.Ev);
+    return edge && !args.block_table && !args.q_lens && args.Lk <= kRowsMaxKeys && args.Lq <= kRowsMaxQueries &&
+           args.Ev % VL == 0 && !gathers_rows(args, args.k_rs, args.E) && !gathers_rows(args, args.v_rs, args.Ev);
   }
 
   // Query rows [i0, i1) of the `group` heads from h0 (one K/V): see above. kt and s are the
-  // task's scratch, E x ldk and MR x ldk.
+  // task's scratch, E x ldk and MR x ldk. Float K/V only (run).
   PYATTN_PHASE void rows_task(index_t h0, index_t i0, index_t i1, T* kt, T* s, index_t ldk) const {
-    if constexpr (!kHalf) rows_task_float(h0, i0, i1, kt, s, ldk);
-  }
-  void rows_task_float(index_t h0, index_t i0, index_t i1, T* kt, T* s, index_t ldk) const {
     const index_t E = a.E, Ev = a.Ev;
     index_t kp0 = kNoLimit, kp1 = 0;  // the keys some row may see, from a whole vector
     for (index_t x = 0; x < a.group; ++x) {
@@ -1056,34 +1059,27 @@ struct Attention {
                                 s + c, ldk, int(min_of<index_t>(NR, nv - c)), false);
         T inv[MR];
         softmax_rows(p, r0, mr, c0, n, nv, s, ldk, inv);
-        T* o = out + a.ooff[h] + r0 * a.o_rs;
-        if (ch <= cl) {  // no key for any of these rows
-          for (int r = 0; r < mr; ++r)
-            for (index_t d = 0; d < Ev; ++d) o[r * a.o_rs + d] = T(0);
-          continue;
-        }
-        // Keys that some rows see and others do not ([cl, rl) and [rh, ch)) have P = 0 in those
-        // rows; a value row there that is not finite (0 * inf = NaN) sends each row its own way.
-        const index_t rl = lo(p, r0 + mr - 1), rh = max_of<index_t>(rl, min_of<index_t>(ch, hi(p, r0)));
-        const bool whole = (rl <= cl && rh >= ch) || (finite_rows(vb + cl * a.v_rs, a.v_rs, rl - cl, Ev) &&
-                                                      finite_rows(vb + rh * a.v_rs, a.v_rs, ch - rh, Ev));
+        // Keys that some rows see and others do not have P = 0 in those rows; a value row there
+        // that is not finite (0 * inf = NaN) sends each row its own way.
+        const bool whole = ch <= cl || edge_values_finite(p, r0, r0 + mr - 1, cl, ch - cl, vb + cl * a.v_rs, a.v_rs);
         for (int r = 0; r < (whole ? 1 : mr); ++r) {
           const index_t jl = whole ? cl : lo(p, r0 + r), jh = whole ? ch : hi(p, r0 + r);
           const int rows = whole ? mr : 1;
-          T* orow = o + r * a.o_rs;
-          if (jh <= jl) {
-            for (index_t d = 0; d < Ev; ++d) orow[d] = T(0);
+          T* orow = out + a.ooff[h] + (r0 + r) * a.o_rs;
+          if (jh <= jl) {  // no key for these rows
+            for (int x = 0; x < rows; ++x)
+              for (index_t d = 0; d < Ev; ++d) orow[x * a.o_rs + d] = T(0);
             continue;
           }
           for (index_t d0 = 0; d0 < Ev; d0 += NR)
             rows_ukernel<K>::call(rows, jh - jl, s + r * ldk + (jl - c0), ldk, index_t(1), vb + jl * a.v_rs + d0,
                                   a.v_rs, orow + d0, a.o_rs, int(min_of<index_t>(NR, Ev - d0)), false);
-          for (int x = 0; x < rows && !rows_normalise_p(); ++x) {  // out = (P V) / l, as the panels'
-            T* ox = orow + x * a.o_rs;
-            const T f = inv[r + x];
+          if (!rows_normalise_p())  // out = (P V) / l, as the panels' acc / l
+            for (int x = 0; x < rows; ++x) {
+              T* ox = orow + x * a.o_rs;
 #pragma omp simd
-            for (index_t d = 0; d < Ev; ++d) ox[d] *= f;
-          }
+              for (index_t d = 0; d < Ev; ++d) ox[d] *= inv[r + x];
+            }
         }
       }
     }
@@ -1627,7 +1623,8 @@ struct Attention {
     if (args.bh == 0 || args.Lq == 0) return;
     Attention self(args);
     if (use_decode(args)) return self.decode();
-    if (use_rows(args)) return self.prefill_rows();
+    if constexpr (!kHalf)  // K/V read in place
+      if (use_rows(args)) return self.prefill_rows();
     const bool cap = args.softcap > 0, alibi = args.alibi != nullptr;
     if (cap && alibi) return self.template prefill<true, true>();
     if (cap) return self.template prefill<true, false>();
