@@ -85,12 +85,17 @@ def _cases(keys: list[str], shapes: list[str]) -> dict:
                 cases[name] = functools.partial(pyattn.scaled_dot_product_attention, q, k, v, **kw)
     rng = np.random.default_rng(0)
     for s in shapes:
-        *dims, last = s.split(",")
-        causal = last == "causal"
-        b, h, lq, lk, d = (int(x) for x in (dims if causal else [*dims, last]))
+        parts = s.split(",")
+        flags = set(parts[5:])
+        b, h, lq, lk, d = (int(x) for x in parts[:5])
         q, k, v = (rng.standard_normal((b, h, n, d), dtype=np.float32) for n in (lq, lk, lk))
-        name = f"B{b} H{h} Lq{lq} Lk{lk} D{d}{' causal' if causal else ''}"
-        cases[name] = functools.partial(pyattn.scaled_dot_product_attention, q, k, v, is_causal=causal)
+        kw = {"is_causal": "causal" in flags}
+        if "alibi" in flags:  # BLOOM's slopes, 2^(-8h/H)
+            kw["alibi_slopes"] = 2.0 ** (-8.0 * np.arange(1, h + 1) / h)
+        if "softcap" in flags:
+            kw["softcap"] = 50.0
+        name = f"B{b} H{h} Lq{lq} Lk{lk} D{d}" + "".join(f" {x}" for x in parts[5:])
+        cases[name] = functools.partial(pyattn.scaled_dot_product_attention, q, k, v, **kw)
     return cases
 
 
@@ -99,7 +104,9 @@ def main() -> None:
     ap.add_argument("core_a")
     ap.add_argument("core_b")
     ap.add_argument("-k", dest="keys", action="append", default=[], help="a substring of the case names (repeatable)")
-    ap.add_argument("--shape", action="append", default=[], help="B,H,Lq,Lk,D[,causal]: a float32 case of its own")
+    ap.add_argument(
+        "--shape", action="append", default=[], help="B,H,Lq,Lk,D[,causal][,alibi][,softcap]: a float32 case of its own"
+    )
     ap.add_argument("--rounds", type=int, default=20, help="calls of each core per case")
     args = ap.parse_args()
     cases = _cases(args.keys, args.shape)
