@@ -841,6 +841,26 @@ def test_sdpa_steep_alibi_over_many_blocks(causal, dtype, isa, rng):
 
 
 @dtype_param
+@pytest.mark.parametrize("align", list(ALIGN))
+@pytest.mark.parametrize("window", [None, (70, 0), (200, 37), (0, 300)], ids=lambda w: "wN" if w is None else wid(w))
+def test_sdpa_alibi_blocks_taken_outward(window, align, dtype, isa, rng):
+    """Under a positive slope a prefill task takes its key blocks from its own queries outward
+    (the block at its first query's key, then the keys before it, then the rest after): heads of
+    128 (the widest tasks, whose later panels' own keys lie blocks past the first), more queries
+    than keys (bottom-right: queries before every key), kv_lens short of the queries' positions,
+    windows on either side, a zero slope and a negative one beside, against the reference."""
+    slopes = np.array([0.5, 2**-3, 1.5, 0.0, -0.3, 2**-8], dtype)
+    for B, Lq, Lk, E, kv_lens in (
+        (1, 700, 700, 128, None),
+        (2, 400, 300, 64, np.array([300, 90])),
+        (1, 130, 900, 128, None),
+    ):
+        q, k, v = make_problem(rng, B, 6, 6, Lq, Lk, E, 48, dtype)
+        kw = dict(ALIGN[align], alibi_slopes=slopes, window=window, kv_lens=kv_lens)
+        check_parity((q, k, v), kw, dtype, what=f"{(B, Lq, Lk, E)} {kw}", flags=((False, True),))
+
+
+@dtype_param
 @pytest.mark.parametrize("slope", [-3.0, -13.0])
 def test_sdpa_steep_negative_alibi_stays_finite(slope, dtype, isa):
     """A steep negative slope: scores grow by |slope| log2(e) per key away from the diagonal, so

@@ -83,6 +83,23 @@ struct rows_ukernel<K, std::void_t<decltype(&K::ukernel_rows)>> {
   }
 };
 
+// The GEMM micro-kernel that adds to C with its registers starting from C's tile
+// (K::ukernel_from_c: attention's P V under ALiBi), K::ukernel where a set has no such instance.
+template <class K, class = void>
+struct from_c_ukernel {
+  template <class... A>
+  static void call(A... args) {
+    K::ukernel(args...);
+  }
+};
+template <class K>
+struct from_c_ukernel<K, std::void_t<decltype(&K::ukernel_from_c)>> {
+  template <class... A>
+  static void call(A... args) {
+    K::ukernel_from_c(args...);
+  }
+};
+
 // Keys per prefill block where E and Ev are under 128 (K::BKN, at most K::BK); K::BK where a
 // set does not say.
 template <class K, class = void>
@@ -643,11 +660,11 @@ struct Attention {
   }
 
   // acc^T += V_blk^T P^T for every panel, eight value columns at a time across the panels.
+  // from_c: the micro-kernel's registers start from acc (ALiBi: see gemm_ukernel_from_c).
   PYATTN_PHASE void accumulate(const Problem& p, index_t q0, index_t k0, index_t kb, const Block& blk, Tile* t, int np,
-                               index_t kend) const {
-    // The next block's K rows, spread over the value-column steps.
-    const index_t nnext = min_of<index_t>(p.bk, kend - k0 - kb),
-                  per = ceil_div(nnext, max_of<index_t>(1, ceil_div(a.Ev, MR)));
+                               index_t kn, index_t nnext, bool from_c) const {
+    // The next block's K rows ([kn, kn + nnext)), spread over the value-column steps.
+    const index_t per = ceil_div(nnext, max_of<index_t>(1, ceil_div(a.Ev, MR)));
     // Keys hidden by position are never part of an output, not even as 0 * NaN: a value row that
     // some of the panels' queries cannot see (before the last one's left edge, from the first
     // one's right edge on) and that is not finite sends the block to pv_exact.
@@ -662,12 +679,15 @@ struct Attention {
     T* o = out + a.ooff[p.bh] + q0 * a.o_rs;
     for (index_t d = 0, r = 0; d < a.Ev; d += MR, r += per) {
       const int mr = int(min_of<index_t>(MR, a.Ev - d));
-      if (r < nnext) prefetch_keys(p, k0 + kb + r, min_of<index_t>(per, nnext - r));
+      if (r < nnext) prefetch_keys(p, kn + r, min_of<index_t>(per, nnext - r));
       const index_t ro = (d / MR) * oper;
       if (ro < nout) prefetch_rows<true>(o + ro * a.o_rs, a.o_rs, min_of<index_t>(oper, nout - ro), a.Ev);
       for (int i = 0; i < np; ++i) {
         if (exact)
           pv_exact(p, q0 + i * NR, k0, kb, blk.v + d, blk.v_rs, mr, t[i], d);
+        else if (from_c)
+          from_c_ukernel<K>::call(mr, kb, blk.v + d, index_t(1), blk.v_rs, t[i].st, index_t(NR), t[i].acc + d * NR,
+                                  index_t(NR), t[i].nr, !t[i].fresh);
         else
           K::ukernel(mr, kb, blk.v + d, 1, blk.v_rs, t[i].st, NR, t[i].acc + d * NR, NR, t[i].nr, !t[i].fresh);
       }
@@ -798,21 +818,38 @@ struct Attention {
     return min_of<index_t>(p.Lq, q0 + index_t(i + 1) * NR) - 1;
   }
 
+  // Whether problem p's key blocks are visited outward from each task's queries (query_group):
+  // ALiBi of a positive slope, whose bias peaks at a query's own key and falls away from it.
+  static bool outward(const Problem& p) { return p.md.nslope < T(0); }
+
   // Queries [q0, q0 + np*NR) of problem p: np panels of NR queries share each K/V block. The
   // keys [kbeg, kend) that any of them sees are visited in blocks; the panels that see part of
   // a block, [p0, p1), take it: a panel leaves once past its last key (causal, window right) and
   // joins at its first (window left). A block is cut where the first active panel's keys end,
   // so that it computes no row of keys it cannot see.
+  // Under a positive ALiBi slope (outward) the block at c, the first query's own key, comes first,
+  // then the keys before it, then the rest after it, each range ascending (c = kbeg otherwise: one
+  // range). Once a panel has taken the keys nearest its queries, a later block lowers its scores
+  // and the lazy reference holds without a rescale of l and acc; from kbeg up, the reference rose
+  // with every block (anticipate_bias rescaled l and acc each time, in blocks cut short for steep
+  // slopes: ALiBi took 1.10x the plain time at B1 H8 L2048 D64, non-causal). Ranges, not blocks
+  // from c outward in both directions: K and V are read in ascending runs either way, and blocks
+  // taken in descending order were no faster. The weights of keys far from a query then lie
+  // near 2^-126, hence accumulate's from_c.
   template <bool CAP, bool ALIBI>
   void query_group(const Problem& p, index_t q0, int np, Tile* t, const Convert& cv) const {
     if (q0 >= p.Lq) return;  // a shorter sequence of a varlen batch: no such queries
     np = int(min_of<index_t>(np, ceil_div(p.Lq - q0, NR)));
     const index_t kbeg = lo(p, q0), kend = hi(p, last_q(p, q0, np - 1));
+    const index_t c = ALIBI && outward(p) ? max_of<index_t>(kbeg, min_of<index_t>(kend, q0 + p.off)) : kbeg;
     // The task's Q rows and first K block are asked for together before the Q^T packing starts
     // on them: on short sequences these first touches were a sixth of the time.
     const index_t nq = min_of<index_t>(p.Lq - q0, index_t(np) * NR);
     prefetch_rows(query + a.qoff[p.bh] + q0 * a.q_rs, a.q_rs, nq, a.E);
-    if (kend > kbeg) prefetch_keys(p, kbeg, min_of<index_t>(p.bk, kend - kbeg));
+    if (kend > c)
+      prefetch_keys(p, c, min_of<index_t>(p.bk, kend - c));
+    else if (c > kbeg)
+      prefetch_keys(p, kbeg, min_of<index_t>(p.bk, c - kbeg));
     for (int i = 0; i < np; ++i) {
       const index_t qp = first_q(q0, i), qc = min_of<index_t>(NR, p.Lq - qp);
       pack_qt(query + a.qoff[p.bh] + qp * a.q_rs, qc, t[i].qt);
@@ -825,13 +862,9 @@ struct Attention {
           for (index_t c = qc; c < NR; ++c) t[i].st[j * NR + c] = T(0);
       reset_panel(t[i]);
     }
-    int p0 = 0;
-    for (index_t k0 = kbeg, kb = 0; k0 < kend; k0 += kb) {
-      while (p0 < np - 1 && hi(p, last_q(p, q0, p0)) <= k0) ++p0;
-      kb = min_of<index_t>(p.bk, kend - k0);
-      if (p0 < np - 1) kb = min_of<index_t>(kb, max_of<index_t>(MR, hi(p, last_q(p, q0, p0)) - k0));
-      int p1 = p0 + 1;
-      while (p1 < np && lo(p, first_q(q0, p1)) < k0 + kb) ++p1;
+    // Panels [p0, p1) take keys [k0, k0 + kb); kn is the next block's first key (for prefetching,
+    // as are its at most bk keys), nn = 0 on the last block.
+    auto take = [&](index_t k0, index_t kb, int p0, int p1, index_t kn, index_t nn) {
       const index_t qa = first_q(q0, p0);
       Tile* ta = t + p0;
       const int na = p1 - p0;
@@ -849,7 +882,32 @@ struct Attention {
         else
           online_softmax(kb, ta[i]);
       }
-      accumulate(p, qa, k0, kb, value_block(p, k0, kb, cv), ta, na, kend);
+      accumulate(p, qa, k0, kb, value_block(p, k0, kb, cv), ta, na, kn, nn, ALIBI);
+    };
+    // The block at k0 of a range ending at e: its length (cut where panel p0's keys end), and the
+    // panels [p0, p1) that take it.
+    auto block_at = [&](index_t k0, index_t e, int& p0, int& p1) {
+      while (p0 < np - 1 && hi(p, last_q(p, q0, p0)) <= k0) ++p0;
+      index_t kb = min_of<index_t>(p.bk, e - k0);
+      if (p0 < np - 1) kb = min_of<index_t>(kb, max_of<index_t>(MR, hi(p, last_q(p, q0, p0)) - k0));
+      p1 = p0 + 1;
+      while (p1 < np && lo(p, first_q(q0, p1)) < k0 + kb) ++p1;
+      return kb;
+    };
+    // Ranges [beg, end) taken in order, each ascending: the block at c, the keys before it, the
+    // keys after it (c = kbeg: all of them in the first range).
+    int p0 = 0, p1 = 0;
+    const index_t d = c < kend ? c + block_at(c, kend, p0, p1) : c;
+    const index_t range[3][2] = {{c, c > kbeg ? d : kend}, {kbeg, c}, {c > kbeg ? d : kend, kend}};
+    for (int r = 0; r < 3; ++r) {
+      p0 = 0;
+      for (index_t k0 = range[r][0], e = range[r][1], kb = 0; k0 < e; k0 += kb) {
+        kb = block_at(k0, e, p0, p1);
+        // the next block's keys, for prefetching: on in this range, or the next range's first
+        index_t kn = k0 + kb, nn = min_of<index_t>(p.bk, e - kn);
+        for (int n = r + 1; nn == 0 && n < 3; ++n) kn = range[n][0], nn = min_of<index_t>(p.bk, range[n][1] - kn);
+        take(k0, kb, p0, p1, kn, nn);
+      }
     }
     for (int i = 0; i < np; ++i) finish_panel<CAP, ALIBI>(p, first_q(q0, i), t[i], cv);
   }

@@ -218,6 +218,61 @@ static inline void gemm_ukernel(int mr, index_t k, const typename Ops::T* a, ind
   });
 }
 
+// C[mr x nr] += A[mr x k] B[k x nr] as gemm_ukernel, with the registers starting from C's tile
+// rather than from zero, so that each product is added to the running sum instead of to a sum
+// from zero. Attention's P V blocks far from a query's largest scores (ALiBi, visited outward)
+// hold weights near 2^-126 whose products sum from zero to subnormals, and every instruction that
+// reads or writes one takes a microcode assist on Intel cores (ALiBi took 1.5x the plain time);
+// added to C's sum, they round as normal numbers. Not gemm_ukernel's way: where C's tile comes
+// from L2 (heads of 128) the loads ahead of the k loop cost plain attention 3-4%.
+template <class Ops, int NVMAX, int MR>
+static inline void gemm_ukernel_from_c(int mr, index_t k, const typename Ops::T* a, index_t rsa, index_t csa,
+                                       const typename Ops::T* b, index_t ldb, typename Ops::T* c, index_t ldc, int nr,
+                                       bool accumulate) {
+  using V = typename Ops::V;
+  constexpr int L = Ops::L;
+  if (!accumulate) return gemm_ukernel<Ops, NVMAX, MR, 2>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, false);
+  with_vectors<NVMAX, L>(nr, [&](auto vecs) {
+    with_rows<MR>(mr, [&](auto rows) {
+      constexpr int NV = decltype(vecs)::value, M = decltype(rows)::value;
+      const bool whole = nr == NV * L;
+      typename Ops::Mask m[NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) m[v] = Ops::mask(nr - v * L);
+      V acc[M][NV];
+#pragma GCC unroll 8
+      for (int r = 0; r < M; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v)
+          acc[r][v] = whole ? Ops::load(c + r * ldc + v * L) : Ops::maskload(m[v], c + r * ldc + v * L);
+      if constexpr (has_kloop<Ops>::value) {
+        Ops::template kloop<NV, M>(acc, k, a, rsa, csa, b, ldb);
+      } else {
+        for (index_t p = 0; p < k; ++p) {
+          V bv[NV];
+#pragma GCC unroll 4
+          for (int v = 0; v < NV; ++v) bv[v] = Ops::load(b + p * ldb + v * L);
+#pragma GCC unroll 8
+          for (int r = 0; r < M; ++r) {
+            const V ar = Ops::set1(a[r * rsa + p * csa]);
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) acc[r][v] = Ops::fma(ar, bv[v], acc[r][v]);
+          }
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < M; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) {
+          if (whole)
+            Ops::store(c + r * ldc + v * L, acc[r][v]);
+          else
+            Ops::maskstore(m[v], c + r * ldc + v * L, acc[r][v]);
+        }
+    });
+  });
+}
+
 // Lane indices 0 .. 15, for the ALiBi distances of a vector of columns.
 template <class T>
 alignas(64) static constexpr T kIota[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -733,6 +788,12 @@ struct RegTileKernels : VecKernels<Ops> {
   static void ukernel_rows(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
                            index_t ldc, int nr, bool acc) {
     gemm_ukernel<Ops, NV, MR, 1>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, acc);
+  }
+  // C += A B with the registers starting from C (attention's P V under ALiBi): an instance of
+  // its own (gemm_ukernel_from_c).
+  static void ukernel_from_c(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,
+                             index_t ldc, int nr, bool acc) {
+    gemm_ukernel_from_c<Ops, NV, MR>(mr, k, a, rsa, csa, b, ldb, c, ldc, nr, acc);
   }
   template <bool CAP, bool ALIBI>
   static void ukernel_exp2(int mr, index_t k, const T* a, index_t rsa, index_t csa, const T* b, index_t ldb, T* c,

@@ -36,7 +36,7 @@ static inline float64x2_t exp2_pd(float64x2_t x) {
 }
 
 // ------------------------------------------------------------------ the register tile's k loop
-// acc[M][NV] += A[M x k] B[k x NV*L] for kernels/x86_simd.h's gemm_regtile, which zeroes the
+// acc[M][NV] += A[M x k] B[k x NV*L] for kernels/x86_simd.h's gemm_regtile, which sets the
 // accumulators and hands them to the epilogue. AArch64 multiplies a vector by one lane of another
 // (fmla by element), so A is loaded as whole vectors and never broadcast:
 //  - a column of A contiguous (rsa = 1: the GEMM's packed A panels, and V^T in attention's P V
