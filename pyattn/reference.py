@@ -307,6 +307,8 @@ def scaled_dot_product_attention(
     sink = None if sinks is None else _per_head(sinks, "sinks", lead)[..., None, None]
     weights, lse = _softmax_rows(scores, axis=-1, sink=sink)
     out = np.matmul(weights, v)  # (..., Lq, Ev); Lk = 0 gives zeros
+    if (is_causal or window is not None) and not np.isfinite(v).all():
+        out = _hidden_values_left_out(weights, v, visible, out)
 
     if not (return_weights or return_lse):
         return out
@@ -316,6 +318,19 @@ def scaled_dot_product_attention(
     if return_lse:
         result += (lse,)
     return result
+
+
+def _hidden_values_left_out(weights, v, visible, out):
+    """out = sum_j w[i, j] v[j] over the keys j that query i sees by position only: a value row
+    hidden from a query (causal, window) is no part of its output, not even as 0 * inf = NaN.
+    Only the rows whose matmul met a non-finite value are redone, query by query."""
+    w, vis = np.broadcast_arrays(weights, visible)
+    vb = np.broadcast_to(v, w.shape[:-2] + v.shape[-2:])
+    out = np.array(out, copy=True)
+    for idx in zip(*np.nonzero(~np.isfinite(out).all(axis=-1))):
+        keep = vis[idx]
+        out[idx] = w[idx][keep] @ vb[idx[:-1]][keep]
+    return out
 
 
 def merge_attention_states(outputs, lses):

@@ -238,6 +238,34 @@ def test_ref_sliding_window_is_mistral_mask(rng):
     np.testing.assert_array_equal(got, ref_sdpa(q, k, v, is_causal=True, window=(W - 1, 4)))
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(is_causal=True),
+        dict(is_causal=True, causal_align="bottom_right", alibi_slopes=np.array([0.5, 0.1])),
+        dict(window=(10, 10), causal_align="bottom_right"),
+        dict(window=(None, 4)),
+    ],
+    ids=["causal", "br_alibi", "window", "window_right"],
+)
+def test_ref_values_hidden_by_position_are_left_out(kw, rng):
+    """An inf or NaN value row that a query cannot see by position (causal, window) is no part of
+    its output in the reference either, as in the kernels: not 0 * inf = NaN from the matmul."""
+    q, k, v = randn(rng, (1, 2, 50, 16)), randn(rng, (1, 2, 120, 16)), randn(rng, (1, 2, 120, 8))
+    v[:, :, 100:] = np.inf
+    v[:, :, 97] = np.nan
+    out, w = reference.scaled_dot_product_attention(q, k, v, return_weights=True, **kw)
+    seen = w > 0  # every visible key's weight is positive here
+    want = np.einsum("bhqk,bhkd->bhqd", w, np.where(np.isfinite(v), v, 0.0))
+    bad = seen[..., :, 97:].any(-1)  # rows that see a non-finite value
+    assert (~bad).any()
+    np.testing.assert_allclose(out[~bad], want[~bad], rtol=1e-12, atol=1e-12)
+    assert not np.isfinite(out[bad]).any()  # a visible inf or NaN value still counts
+    got = pyattn.scaled_dot_product_attention(q, k, v, **kw)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(out))
+    np.testing.assert_allclose(got[~bad], out[~bad], rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("causal", list(ALIGN), ids=list(ALIGN))
 def test_ref_alibi_is_a_float_mask(causal, rng):
     """alibi_slopes equals the float mask -slope_h * |i + off - j| (broadcast over heads)."""
