@@ -427,8 +427,8 @@ def show_config(*, file=None) -> dict:
         "isas_available": list(_core.available_isas()),
         "isa_forced_by": forced,
         # how the decode reads single K/V rows streamed from memory: key by key with software
-        # prefetches (any CPU but Intel's) or several keys at a time without (Intel); see
-        # PYATTN_DECODE_PREFETCH
+        # prefetches (any CPU but Intel's) or several keys at a time without (Intel; the AVX2
+        # set's rows of 512 bytes and more go key by key there too); see PYATTN_DECODE_PREFETCH
         "decode_prefetch": bool(_core.decode_prefetch_streams()),
         "threads": get_num_threads(),
         "compiler": _core.compiler,

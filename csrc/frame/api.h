@@ -128,8 +128,12 @@ int isa_supported(const char* name);
 // measured faster on Zen 5, the other (several keys a pass, no prefetches) on an Intel Xeon, and
 // on Zen 3 each won on part of the cases (docs/performance.md has the figures). So: not on Intel,
 // yes on every other CPU (only AMD's measured); PYATTN_DECODE_PREFETCH=0 or 1 decides instead.
+// A kernel set may take the key-by-key loop for its long rows whatever this says
+// (stream_keys_row_bytes, frame/attention.h: AVX2's rows of 512 bytes and more), unless the
+// variable is set.
 // Key rows of at most two cache lines never take it (frame/attention.h, decode_stream_keys).
 bool decode_prefetch_streams();
+int decode_prefetch_env();  // PYATTN_DECODE_PREFETCH: 0 or 1, -1 when unset (or neither)
 int default_num_threads();
 int get_num_threads();
 void set_num_threads(int n);  // 0: unset, OpenMP's count (which threadpoolctl can limit)

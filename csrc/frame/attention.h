@@ -56,6 +56,15 @@ template <class K>
 struct grouped_stream_keys<K, std::void_t<decltype(K::kGroupedStreamKeys)>>
     : std::integral_constant<bool, K::kGroupedStreamKeys> {};
 
+// The key row size (bytes) from which the kernel set's single decode rows streamed from memory
+// take the key-by-key loop with prefetches whatever the CPU's vendor (K::kStreamKeysRowBytes,
+// decode_stream_keys); 0 (the vendor decides) where a set does not say.
+template <class K, class = void>
+struct stream_keys_row_bytes : std::integral_constant<index_t, 0> {};
+template <class K>
+struct stream_keys_row_bytes<K, std::void_t<decltype(K::kStreamKeysRowBytes)>>
+    : std::integral_constant<index_t, K::kStreamKeysRowBytes> {};
+
 // Whether the kernel set computes a block's scores a panel at a time (K::kPanelOuterScores,
 // scores): each panel's Q^T stays in L1 while the block's K rows come from L2; else (where a set
 // does not say) eight keys at a time across all panels, each K row read once, the panels' Q^T
@@ -1358,8 +1367,9 @@ struct Attention {
 
   // Whether single rows streamed from memory take the key-by-key loop with prefetches
   // (decode_block) rather than several keys at a time with none: always through a block table;
-  // over contiguous K/V where decode_prefetch_streams, and only for key rows past two cache
-  // lines. A short row leaves the key-by-key loop a few multiply-adds per key against a
+  // over contiguous K/V where decode_prefetch_streams (or the kernel set's rows are as long as
+  // stream_keys_row_bytes, unless PYATTN_DECODE_PREFETCH decides), and only for key rows past two
+  // cache lines. A short row leaves the key-by-key loop a few multiply-adds per key against a
   // reduction and, for float16 / bfloat16 / int8, conversions: over contiguous caches streamed
   // from memory, L keys at a time ran 1.2-1.9x faster for D64 float16 / bfloat16 and 1.1-1.9x
   // for D64 and D128 int8, on both x86 kernel sets (B1-B4, 2 threads, Zen 4); D128 halves went
@@ -1368,7 +1378,10 @@ struct Attention {
   bool decode_stream_keys(bool cached) const {
     if (cached) return false;
     if (a.block_table) return true;
-    return decode_prefetch_streams() && !short_key_rows();
+    if (short_key_rows()) return false;
+    const index_t wide = stream_keys_row_bytes<K>::value;
+    if (wide > 0 && a.E * index_t(sizeof(KV)) >= wide && decode_prefetch_env() < 0) return true;
+    return decode_prefetch_streams();
   }
 
   // Key rows of at most two cache lines: the rows decode_stream_keys and decode_block treat apart.
@@ -1417,7 +1430,8 @@ struct Attention {
     // every cache where the kernel set says so (grouped_stream_keys), the prefetches issued
     // four keys at a time. On an Intel Xeon, single rows over contiguous K/V
     // ran faster L keys at a time without prefetches (decode_prefetch_streams: GPT-2 B4 c1024
-    // 1.14x, H32 c8192 1.08x; with AVX2 1.25x and 0.99x), but 1.08x slower through a block
+    // 1.14x, H32 c8192 1.08x; with AVX2 1.25x and 0.99x, though AVX2's D128 rows later ran
+    // 1.07-1.09x faster key by key: stream_keys_row_bytes), but 1.08x slower through a block
     // table; its grouped rows kept the key-by-key loop (L / 4 keys without prefetches:
     // 1.11-1.28x slower on 64-128 MiB contiguous caches, 1.65x paged).
     // The first and last branches look alike but stay apart: one branch for both (the same

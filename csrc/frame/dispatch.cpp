@@ -175,10 +175,18 @@ std::string isa_reason() {
 
 int isa_supported(const char* name) { return table_for(name) != nullptr; }
 
+int decode_prefetch_env() {
+  static const int v = [] {
+    const char* env = std::getenv("PYATTN_DECODE_PREFETCH");
+    if (env && (std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0)) return *env == '1' ? 1 : 0;
+    return -1;
+  }();
+  return v;
+}
+
 bool decode_prefetch_streams() {
   static const bool on = [] {
-    const char* env = std::getenv("PYATTN_DECODE_PREFETCH");
-    if (env && (std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0)) return *env == '1';
+    if (decode_prefetch_env() >= 0) return decode_prefetch_env() == 1;
 #if defined(PYATTN_HAVE_X86)
 #if PYATTN_MSVC
     return !portable::x86_is_intel();

@@ -192,6 +192,13 @@ struct sgemm_ukernel_6x16_avx2 : RegTileKernels<OpsF32, 6, 2>, TransposePs {
   // read 0.98-1.01 this way and keep keys outer. With this order 8 panels were 1.04x faster at
   // L2048 D64 but 0.92-0.98x on short causal calls, so NP stays 4.
   static constexpr bool kPanelOuterScores = true;
+  // Single decode rows of 512 bytes and more (D128 float32) streamed from memory take the
+  // key-by-key loop with prefetches on every CPU, Intel's included (decode_prefetch_streams says
+  // no there): with 32-byte vectors the loop of L keys at a time issues two loads a cache line,
+  // and the out-of-order window reaches half as many lines ahead as AVX-512's. Intel Xeon, 2
+  // threads, caches evicted between calls, three alternating processes: B1 H32 Lk4096-32768 and
+  // B4 H32 Lk2048 D128 1.06-1.09x faster; AVX-512 the other way (0.92x), D64 rows either way.
+  static constexpr index_t kStreamKeysRowBytes = 512;
 };
 struct dgemm_ukernel_6x8_avx2 : RegTileKernels<OpsF64, 6, 2>, TransposeRef<double> {
   static constexpr int NP = 4, NPW = 4;
