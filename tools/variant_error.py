@@ -6,7 +6,7 @@ Run it once per kernel set (``PYATTN_ISA=avx2`` etc.). The error is max |pyattn 
 max |ref| of the output, the reference computed in float64 on the same float32 inputs; bf16 K/V
 are compared with the reference on the bf16-rounded K/V (as float64), so only the kernel's
 arithmetic is measured, not the rounding of the inputs. Causal (bottom-right) unless --full, as
-a decoder runs them; the window is (1023, 0). "formula" is the textbook formula evaluated in
+a decoder runs them; the window is (1023, 0), (1023, 1023) with --full. "formula" is the textbook formula evaluated in
 float32 NumPy: the error any float32 result of that variant carries.
 """
 
@@ -21,16 +21,17 @@ import pyattn
 from pyattn import reference
 
 
-def _variants(h, rng):
+def _variants(h, rng, full=False):
     slopes = 2.0 ** (-8.0 * np.arange(1, h + 1) / h)
     sinks = rng.standard_normal(h).astype(np.float32)
+    win = (1023, 1023) if full else (1023, 0)
     return {
         "plain": {},
         "softcap": dict(softcap=30.0),
         "alibi": dict(alibi_slopes=slopes.astype(np.float32)),
         "sinks": dict(sinks=sinks),
-        "window": dict(window=(1023, 0)),
-        "all": dict(softcap=30.0, alibi_slopes=slopes.astype(np.float32), sinks=sinks, window=(1023, 0)),
+        "window": dict(window=win),
+        "all": dict(softcap=30.0, alibi_slopes=slopes.astype(np.float32), sinks=sinks, window=win),
     }
 
 
@@ -85,7 +86,7 @@ def main() -> None:
     hdr = f"{'pyattn':>9} {'vs plain':>9} {'formula':>12}"
     print(f"{'variant':<10} {hdr} {hdr}")
     plain = None
-    for name, kw in _variants(a.h, rng).items():
+    for name, kw in _variants(a.h, rng, a.full).items():
         out = pyattn.scaled_dot_product_attention(q, k, v, **kw0, **kw)
         ref = reference.scaled_dot_product_attention(
             q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), **kw0, **kw
