@@ -2,12 +2,13 @@
 
     python tools/variant_error.py [--l 4096] [--h 2] [--d 64] [--seed 0]
 
-Run it once per kernel set (``PYATTN_ISA=avx2`` etc.). The error is max |pyattn - ref| over
-max |ref| of the output, the reference computed in float64 on the same float32 inputs; bf16 K/V
-are compared with the reference on the bf16-rounded K/V (as float64), so only the kernel's
-arithmetic is measured, not the rounding of the inputs. Causal (bottom-right) unless --full, as
-a decoder runs them; the window is (1023, 0), (1023, 1023) with --full. "formula" is the textbook formula evaluated in
-float32 NumPy: the error any float32 result of that variant carries.
+Run it once per kernel set (``PYATTN_ISA=avx2`` etc.). The error of the output is printed as
+max |pyattn - ref| / max |ref| and normwise, the reference computed in float64 on the same
+float32 inputs; half K/V are compared with the reference on the rounded K/V (as float64), so
+only the kernel's arithmetic is measured, not the rounding of the inputs. Causal (bottom-right)
+unless --full, as a decoder runs them; the window is (1023, 0), (1023, 1023) with --full.
+"formula" is the textbook formula evaluated in float32 NumPy: the error any float32 result of
+that variant carries.
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ def _variants(h, rng, full=False):
 
 def _formula_f32(q, k, v, causal, softcap=None, alibi_slopes=None, sinks=None, window=None):
     """The textbook formula in float32 NumPy (Lq == Lk), an L x L score matrix a head."""
-    lq, lk = q.shape[-2], k.shape[-2]
-    i, j = np.arange(lq)[:, None], np.arange(lk)[None, :]
-    hidden = ((j > i) if causal else False) | ((j < i - window[0]) if window else False)
-    if window and not causal and window[1] is not None:
-        hidden = hidden | (j > i + window[1])
+    i, j = np.arange(q.shape[-2])[:, None], np.arange(k.shape[-2])[None, :]
+    left, right = window or (None, None)
+    hidden = (j > i) if causal else np.zeros((i.size, j.size), bool)
+    if left is not None:
+        hidden |= j < i - left
+    if right is not None:
+        hidden |= j > i + right
     s = np.matmul(q, np.swapaxes(k, -1, -2)) * np.float32(q.shape[-1] ** -0.5)
     if softcap:
         s = np.float32(softcap) * np.tanh(s / np.float32(softcap))

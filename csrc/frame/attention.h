@@ -248,7 +248,6 @@ struct Attention {
     T* inv;      // 1 / l (0 where no key was visible, NaN where l is), once the panel is finished
     T* bhw;      // ALiBi: the largest bias of the blocks taken in so far (see anticipate_bias)
     T* top;      // the largest score taken in so far (log2 units; see lower_reference)
-    T peak;      // the largest P of the block just taken, log2 (its cmax less sub; accumulate)
     bool ready;  // every m is finite: unmasked blocks may take the fused path
     bool fresh;  // no key block taken in yet: l is 0 and acc, unwritten, means 0 (the first
                  // block's accumulate writes it: zeroing it per panel cost 5% of a short call)
@@ -560,7 +559,8 @@ struct Attention {
   //   m' = colmax(st) where it exceeds m + kSlack, else m; alpha = exp2(m - m') (1 where m was
   //   -inf: l and acc are still 0); sub = m' or 0 if m' = -inf;
   //   st = exp2(st - sub); l = alpha*l + colsum(st); acc^T *= alpha where m moved
-  PYATTN_PHASE void online_softmax(index_t kb, Tile& t) const {
+  // Returns the block's largest P, log2 (colmax less sub; accumulate's far blocks).
+  PYATTN_PHASE T online_softmax(index_t kb, Tile& t) const {
     T* cm = t.cmax;
     colmax(t.st, kb, cm);
     for (int c = 0; c < NR; ++c) t.top[c] = cm[c] > t.top[c] ? cm[c] : t.top[c];
@@ -581,11 +581,11 @@ struct Attention {
     t.ready = ready;
     T peak = -kInf;
     for (int c = 0; c < NR; ++c) peak = cm[c] - t.sub[c] > peak ? cm[c] - t.sub[c] : peak;
-    t.peak = peak;
     for (index_t j = 0; j < kb; ++j) K::exp2_sub_cols(t.st + j * NR, t.sub, t.csum, NR);
 #pragma omp simd
     for (int c = 0; c < NR; ++c) t.l[c] = t.alpha[c] * t.l[c] + t.csum[c];
     if (moved) scale_acc(t, t.alpha);
+    return peak;
   }
 
   // ALiBi's reference for a block (its first keys' raw maximum plus the block's largest bias, or
@@ -631,8 +631,7 @@ struct Attention {
   // of P at 1e-6 for float; 96 gave 4x the two-pass error under a steep ALiBi).
   static constexpr T kRescaleMax = T(sizeof(T) == 4 ? 16 : 960);
   template <bool CAP, bool ALIBI>
-  PYATTN_PHASE void finish_fused(const Problem& p, index_t qp, index_t k0, index_t kb, const Block& blk,
-                                 Tile& t) const {
+  PYATTN_PHASE T finish_fused(const Problem& p, index_t qp, index_t k0, index_t kb, const Block& blk, Tile& t) const {
     bool over = false, overflow = false, under = false;
     T peak = -kInf;
     for (int c = 0; c < NR; ++c) {
@@ -645,10 +644,8 @@ struct Attention {
     }
     if (overflow || under) {  // redo the block two-pass (online_softmax lowers a far reference)
       scores<CAP, ALIBI>(p, qp, k0, kb, blk, &t, 1, nullptr, false);
-      online_softmax(kb, t);
-      return;
+      return online_softmax(kb, t);
     }
-    t.peak = peak;  // (where over, above kSlack: never far)
     if (over) {
       for (int c = 0; c < NR; ++c) {
         T f = T(1);
@@ -673,17 +670,19 @@ struct Attention {
     }
 #pragma omp simd
     for (int c = 0; c < NR; ++c) t.l[c] += t.csum[c];
+    return peak;  // (where over, above kSlack: never far)
   }
 
   // acc^T += V_blk^T P^T for every panel, eight value columns at a time across the panels.
-  // from_c: a panel whose block's weights all lie under 2^-kFar starts the micro-kernel's
-  // registers from acc (ALiBi's far blocks: see gemm_ukernel_from_c). Each product then rounds at
+  // far[i] (ALiBi; nullptr: none): panel i's block has all its weights under 2^-kFar (its
+  // largest P, as finish_fused and online_softmax return it), so the micro-kernel's registers
+  // start from acc (see gemm_ukernel_from_c). Each product then rounds at
   // acc's scale: for weights under 2^-40 the block's whole share is below 2^-33 of acc, but
   // every block taken that way cost float32 ALiBi attention 2.3x the error of the sums from zero
   // (B1 H2 L4096 D64, non-causal: 2.0e-6 against 8.6e-7, plain 8.3e-7), so only those blocks do.
   static constexpr T kFar = T(sizeof(T) == 4 ? 40 : 80);
   PYATTN_PHASE void accumulate(const Problem& p, index_t q0, index_t k0, index_t kb, const Block& blk, Tile* t, int np,
-                               index_t kn, index_t nnext, bool from_c) const {
+                               index_t kn, index_t nnext, const bool* far) const {
     // The next block's K rows ([kn, kn + nnext)), spread over the value-column steps.
     const index_t per = ceil_div(nnext, max_of<index_t>(1, ceil_div(a.Ev, MR)));
     // Keys hidden by position are never part of an output, not even as 0 * NaN: a value row that
@@ -706,7 +705,7 @@ struct Attention {
       for (int i = 0; i < np; ++i) {
         if (exact)
           pv_exact(p, q0 + i * NR, k0, kb, blk.v + d, blk.v_rs, mr, t[i], d);
-        else if (from_c && t[i].peak < -kFar)
+        else if (far && far[i])
           from_c_ukernel<K>::call(mr, kb, blk.v + d, index_t(1), blk.v_rs, t[i].st, index_t(NR), t[i].acc + d * NR,
                                   index_t(NR), t[i].nr, !t[i].fresh);
         else
@@ -856,7 +855,7 @@ struct Attention {
   // slopes: ALiBi took 1.10x the plain time at B1 H8 L2048 D64, non-causal). Ranges, not blocks
   // from c outward in both directions: K and V are read in ascending runs either way, and blocks
   // taken in descending order were no faster. The weights of keys far from a query then lie
-  // near 2^-126, hence accumulate's from_c.
+  // near 2^-126, hence accumulate's far blocks.
   template <bool CAP, bool ALIBI>
   void query_group(const Problem& p, index_t q0, int np, Tile* t, const Convert& cv) const {
     if (q0 >= p.Lq) return;  // a shorter sequence of a varlen batch: no such queries
@@ -897,13 +896,13 @@ struct Attention {
       bool fused[kMaxNP];
       for (int i = 0; i < na; ++i) fused[i] = plain && ta[i].ready;
       scores<CAP, ALIBI>(p, qa, k0, kb, kblk, ta, na, fused, plain);
+      bool far[kMaxNP];
       for (int i = 0; i < na; ++i) {
-        if (fused[i])
-          finish_fused<CAP, ALIBI>(p, qa + i * NR, k0, kb, kblk, ta[i]);
-        else
-          online_softmax(kb, ta[i]);
+        const T peak =
+            fused[i] ? finish_fused<CAP, ALIBI>(p, qa + i * NR, k0, kb, kblk, ta[i]) : online_softmax(kb, ta[i]);
+        far[i] = peak < -kFar;
       }
-      accumulate(p, qa, k0, kb, value_block(p, k0, kb, cv), ta, na, kn, nn, ALIBI);
+      accumulate(p, qa, k0, kb, value_block(p, k0, kb, cv), ta, na, kn, nn, ALIBI ? far : nullptr);
     };
     // The block at k0 of a range ending at e: its length (cut where panel p0's keys end), and the
     // panels [p0, p1) that take it.
