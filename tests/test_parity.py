@@ -452,6 +452,51 @@ def test_rows_a_page_apart(isa, dtype, fused_qkv, rng):
 
 
 @dtype_param
+@pytest.mark.parametrize("threads", [1, 2])
+def test_strided_rows_copied_per_problem(isa, dtype, threads, rng):
+    """K/V rows a few hundred bytes apart ((B, L, H, D) views, packed varlen tokens) read by 512
+    queries or more, which a prefill copies into a contiguous copy of each problem's rows kept
+    from one task to the next: the same values as contiguous copies, bit for bit, however the
+    tasks' key ranges move (causal, a sliding window, ALiBi's outward order, kv_lens) and with
+    the weights, and GQA heads sharing the rows; varlen with long and short sequences packed
+    against per-sequence calls."""
+    D = 256 // np.dtype(dtype).itemsize  # rows of 256 bytes: the widest copied
+    B, H, L = 1, 2, 1100
+    q = randn(rng, (B, L, H, D), dtype).transpose(0, 2, 1, 3)
+    k, v = (randn(rng, (B, L, H, D), dtype).transpose(0, 2, 1, 3) for _ in range(2))
+    qc, kc, vc = (np.ascontiguousarray(x) for x in (q, k, v))
+    slopes = np.array([0.01, 0.3])
+    with pyattn.num_threads(threads):
+        for kw in (
+            {"return_weights": True, "return_lse": True},
+            {"is_causal": True},
+            {"window": (600, 0), "is_causal": True, "return_lse": True},
+            {"window": (700, 700)},
+            {"alibi_slopes": slopes, "is_causal": True},
+            {"alibi_slopes": slopes, "softcap": 5.0},
+            {"kv_lens": np.array([900]), "return_lse": True},
+        ):
+            check_same_bits((q, k, v), (qc, kc, vc), kw, dtype)
+        # only one of K and V strided; GQA query heads over one strided K/V head
+        check_same_bits((qc, k, vc), (qc, kc, vc), {}, dtype)
+        check_same_bits((qc, kc, v), (qc, kc, vc), {"is_causal": True}, dtype)
+        q4 = randn(rng, (B, 4, L, D), dtype)
+        check_same_bits((q4, k, v), (q4, kc, vc), {"enable_gqa": True, "is_causal": True}, dtype)
+        # varlen: a long sequence (copied) between short ones (read in place)
+        lens = [5, 1100, 70, 1030]
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        qp, kp, vp = (randn(rng, (int(cu[-1]), H, D), dtype) for _ in range(3))
+        for causal in (False, True):
+            out = pyattn.varlen_attention(qp, kp, vp, cu, cu, is_causal=causal)
+            for b in range(len(lens)):
+                seq = [np.ascontiguousarray(x[cu[b] : cu[b + 1]].transpose(1, 0, 2)) for x in (qp, kp, vp)]
+                one = sdpa(*seq, is_causal=causal)
+                got = out[cu[b] : cu[b + 1]].transpose(1, 0, 2)
+                assert_close(got, one, dtype, tol=2e-5 if dtype == np.float32 else 1e-10, what=f"sequence {b}")
+                assert_close(got, ref_sdpa(*seq, is_causal=causal), dtype, what=f"sequence {b} vs reference")
+
+
+@dtype_param
 @pytest.mark.parametrize("hq,hkv,lq", [(8, 8, 1), (12, 4, 1), (6, 2, 3), (3, 3, 2)])
 def test_decode_heads_interleaved(isa, dtype, hq, hkv, lq, rng):
     """Decode over K/V viewed as (B, L, H, D), whose heads' rows interleave (several heads a task,
