@@ -385,14 +385,16 @@ struct Attention {
     if (row == 0 || a.Lk > index_t(4 << 20) / (row * index_t(sizeof(T)))) return 0;
     return std::size_t(a.Lk) * std::size_t(row);
   }
-  // Whether problem p's rows are worth the copy: rows of up to 256 bytes that 512 queries or more
+  // Whether problem p's rows are worth the copy: rows of up to 256 bytes that 384 queries or more
   // read. Rows of 512 bytes were 1.02-1.05x slower in place than contiguous and no faster copied
-  // (D128 L1024-2048); with fewer readers the copy costs more than it saves (copied / in place:
-  // L256 1.02, causal L512 1.06, L512 1.00, L768 0.95, causal L1536 0.94).
+  // (D128 L1024-2048). Copied over in place (time): with 256 readers L256 1.02, causal L512 1.06;
+  // with 384-512, L384 1.01, L448 0.99, L512 1.00, causal L768 0.98, causal L896 0.97 (and
+  // varlen's 8 causal sequences of 64-2048 tokens 0.97x the time holding from 512); beyond,
+  // L768 0.95, causal L1536 0.94.
   bool holds_problem(const Problem& p) const {
     index_t reads = a.causal ? p.Lq / 2 : p.Lq;
     if (wl != kNoLimit) reads = min_of<index_t>(reads, wl + 1);
-    return max_of<index_t>(hold_k ? a.E : 0, hold_v ? a.Ev : 0) * index_t(sizeof(T)) <= 256 && reads >= 512;
+    return max_of<index_t>(hold_k ? a.E : 0, hold_v ? a.Ev : 0) * index_t(sizeof(T)) <= 256 && reads >= 384;
   }
   // A thread's copy: key j's rows at k + j * E and v + j * Ev (null where that operand is not
   // copied), keys [j0, j1) of problem bh there; zero: a[bh] zeros, the copy's row offsets.
