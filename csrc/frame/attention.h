@@ -379,10 +379,11 @@ struct Attention {
     return !kHalf && args.block_table == nullptr && rs != n;
   }
   // Elements of a thread's copy: a problem's K and V rows, if that is at most 4 MiB (an L2's
-  // size); else 0, and no copy.
+  // size) and some problem may take it (holds_problem, with the call's longest query run); else
+  // 0, and no copy.
   std::size_t held_elems() const {
     const index_t row = (hold_k ? a.E : 0) + (hold_v ? a.Ev : 0);
-    if (row == 0 || a.Lk > index_t(4 << 20) / (row * index_t(sizeof(T)))) return 0;
+    if (row == 0 || a.Lk > index_t(4 << 20) / (row * index_t(sizeof(T))) || !worth_holding(a.Lq)) return 0;
     return std::size_t(a.Lk) * std::size_t(row);
   }
   // Whether problem p's rows are worth the copy: rows of up to 256 bytes that 384 queries or more
@@ -391,8 +392,9 @@ struct Attention {
   // with 384-512, L384 1.01, L448 0.99, L512 1.00, causal L768 0.98, causal L896 0.97 (and
   // varlen's 8 causal sequences of 64-2048 tokens 0.97x the time holding from 512); beyond,
   // L768 0.95, causal L1536 0.94.
-  bool holds_problem(const Problem& p) const {
-    index_t reads = a.causal ? p.Lq / 2 : p.Lq;
+  bool holds_problem(const Problem& p) const { return worth_holding(p.Lq); }
+  bool worth_holding(index_t Lq) const {
+    index_t reads = a.causal ? Lq / 2 : Lq;
     if (wl != kNoLimit) reads = min_of<index_t>(reads, wl + 1);
     return max_of<index_t>(hold_k ? a.E : 0, hold_v ? a.Ev : 0) * index_t(sizeof(T)) <= 256 && reads >= 384;
   }
@@ -415,8 +417,8 @@ struct Attention {
     constexpr index_t C = 16;
     for (index_t j = j0; j < j1; j += C) {
       const index_t m = min_of<index_t>(C, j1 - j), n = min_of<index_t>(C, j1 - j - m);
-      if (hold_k) prefetch_rows(key_row(p, j + m), a.k_rs, n, a.E);
-      if (hold_v) prefetch_rows(value_row(p, j + m), a.v_rs, n, a.Ev);
+      if (hold_k && n > 0) prefetch_rows(key_row(p, j + m), a.k_rs, n, a.E);
+      if (hold_v && n > 0) prefetch_rows(value_row(p, j + m), a.v_rs, n, a.Ev);
       if (hold_k) K::convert_rows(key_row(p, j), a.k_rs, m, a.E, h.k + j * a.E, a.E);
       if (hold_v) K::convert_rows(value_row(p, j), a.v_rs, m, a.Ev, h.v + j * a.Ev, a.Ev);
     }
