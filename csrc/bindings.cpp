@@ -56,9 +56,11 @@ std::pair<index_t, index_t> view_span(const py::array& a) {
 }
 
 // Every one of `count` matrices (rows x cols at strides rs, cs, starting at off[i], or 0 when
-// off is None) lies inside the view of `arr`; `off` has at least `count` entries.
+// off is None) lies inside the view of `arr`; `off` has at least `count` entries. With `lens`
+// (int64, checked by check_lengths), matrix i has only min(rows, lens[i]) rows: the kernels read
+// no more (varlen's packed sequences, whose longest may come first, end where the array does).
 void check_matrices(const char* name, const py::object& arr, const py::object& off, index_t count, index_t rows,
-                    index_t rs, index_t cols, index_t cs) {
+                    index_t rs, index_t cols, index_t cs, const py::object& lens = py::none()) {
   if (arr.is_none()) return;
   if (count == 0 || rows == 0 || cols == 0) return;
   const py::array a = py::cast<py::array>(arr);
@@ -71,9 +73,12 @@ void check_matrices(const char* name, const py::object& arr, const py::object& o
     PYATTN_DEBUG_CHECK(index_t(oa.shape(0)) >= count, std::string(name) + ": fewer offsets than matrices");
     o = static_cast<const index_t*>(oa.data());
   }
-  const index_t r_lo = std::min<index_t>(0, (rows - 1) * rs), r_hi = std::max<index_t>(0, (rows - 1) * rs);
+  const index_t* n = lens.is_none() ? nullptr : static_cast<const index_t*>(py::cast<py::array>(lens).data());
   const index_t c_lo = std::min<index_t>(0, (cols - 1) * cs), c_hi = std::max<index_t>(0, (cols - 1) * cs);
   for (index_t i = 0; i < count; ++i) {
+    const index_t ri = n ? std::min<index_t>(rows, n[i]) : rows;
+    if (ri == 0) continue;
+    const index_t r_lo = std::min<index_t>(0, (ri - 1) * rs), r_hi = std::max<index_t>(0, (ri - 1) * rs);
     const index_t base = o ? o[i] : 0;
     PYATTN_DEBUG_CHECK(base + r_lo + c_lo >= span.first && base + r_hi + c_hi <= span.second,
                        std::string(name) + ": matrix " + std::to_string(i) + " reaches outside its array");
@@ -936,12 +941,12 @@ PYBIND11_MODULE(_core, m) {
                            "attention: mask_kind does not match mask");
         if (mask_kind == 2) check_same_dtype(out, {{"mask", &mask}});
         if (mask_kind == 1) PYATTN_DEBUG_CHECK(py::cast<py::array>(mask).itemsize() == 1, "mask: bool masks are uint8");
-        check_matrices("q", q, qoff, bh, Lq, q_rs, E, 1);
+        check_matrices("q", q, qoff, bh, Lq, q_rs, E, 1, q_lens);
         if (block_table.is_none()) {
-          check_matrices("k", k, koff, bh, Lk, k_rs, E, 1);
-          check_matrices("v", v, voff, bh, Lk, v_rs, Ev, 1);
-          check_matrices("k_scale", k_scale, ksoff, bh, Lk, ks_rs, 1, 1);
-          check_matrices("v_scale", v_scale, vsoff, bh, Lk, vs_rs, 1, 1);
+          check_matrices("k", k, koff, bh, Lk, k_rs, E, 1, kv_lens);
+          check_matrices("v", v, voff, bh, Lk, v_rs, Ev, 1, kv_lens);
+          check_matrices("k_scale", k_scale, ksoff, bh, Lk, ks_rs, 1, 1, kv_lens);
+          check_matrices("v_scale", v_scale, vsoff, bh, Lk, vs_rs, 1, 1, kv_lens);
         } else {  // every block a problem may read exists (for its own kv_lens keys)
           const py::array bt = py::cast<py::array>(block_table), bo = py::cast<py::array>(bt_off);
           PYATTN_DEBUG_CHECK(bt.itemsize() == 4 && bo.itemsize() == 8 && block_size > 0,
@@ -957,10 +962,10 @@ PYBIND11_MODULE(_core, m) {
               PYATTN_DEBUG_CHECK(blk >= 0 && blk < nblocks, "block_table: a block outside the cache");
             }
         }
-        check_matrices("out", out, ooff, bh, Lq, o_rs, Ev, 1);
-        check_matrices("mask", mask, moff, bh, Lq, m_rs, Lk, m_cs);
-        check_matrices("lse", lse, lseoff, bh, Lq, lse_s, 1, 1);
-        check_matrices("weights", weights, woff, bh, Lq, w_rs, Lk, 1);
+        check_matrices("out", out, ooff, bh, Lq, o_rs, Ev, 1, q_lens);
+        check_matrices("mask", mask, moff, bh, Lq, m_rs, Lk, m_cs, q_lens);
+        check_matrices("lse", lse, lseoff, bh, Lq, lse_s, 1, 1, q_lens);
+        check_matrices("weights", weights, woff, bh, Lq, w_rs, Lk, 1, q_lens);
 #endif
         // clang-format off: one line per pointer and its strides, as in api.h
         pyattn::AttnArgs a{bh, Lq, Lk, E, Ev, group,
