@@ -367,7 +367,7 @@ struct Attention {
   bool gathers() const { return gather_k || gather_v; }
 
   // Whether a prefill may copy float K/V rows, rs apart, into a contiguous copy of a problem's
-  // rows that the thread keeps for its next tasks (holds, holds_problem; else as gathers_rows
+  // rows that the thread keeps for its next tasks (held_elems, worth_holding; else as gathers_rows
   // says). K/V viewed as (B, L, H, D), packed varlen tokens or a fused QKV projection have rows
   // 1-4 KiB apart, a page or two each: the hardware prefetchers do not follow them across pages,
   // and their lines fill only the L2 sets of their page offsets, so a head's rows no longer stay
@@ -379,20 +379,19 @@ struct Attention {
     return !kHalf && args.block_table == nullptr && rs != n;
   }
   // Elements of a thread's copy: a problem's K and V rows, if that is at most 4 MiB (an L2's
-  // size) and some problem may take it (holds_problem, with the call's longest query run); else
+  // size) and some problem may take it (worth_holding the call's longest query run); else
   // 0, and no copy.
   std::size_t held_elems() const {
     const index_t row = (hold_k ? a.E : 0) + (hold_v ? a.Ev : 0);
     if (row == 0 || a.Lk > index_t(4 << 20) / (row * index_t(sizeof(T))) || !worth_holding(a.Lq)) return 0;
     return std::size_t(a.Lk) * std::size_t(row);
   }
-  // Whether problem p's rows are worth the copy: rows of up to 256 bytes that 384 queries or more
-  // read. Rows of 512 bytes were 1.02-1.05x slower in place than contiguous and no faster copied
+  // Whether the rows of a problem of Lq queries are worth the copy: rows of up to 256 bytes that
+  // 384 queries or more read. Rows of 512 bytes were 1.02-1.05x slower in place than contiguous and no faster copied
   // (D128 L1024-2048). Copied over in place (time): with 256 readers L256 1.02, causal L512 1.06;
   // with 384-512, L384 1.01, L448 0.99, L512 1.00, causal L768 0.98, causal L896 0.97 (and
   // varlen's 8 causal sequences of 64-2048 tokens 0.97x the time holding from 512); beyond,
   // L768 0.95, causal L1536 0.94.
-  bool holds_problem(const Problem& p) const { return worth_holding(p.Lq); }
   bool worth_holding(index_t Lq) const {
     index_t reads = a.causal ? Lq / 2 : Lq;
     if (wl != kNoLimit) reads = min_of<index_t>(reads, wl + 1);
@@ -412,15 +411,16 @@ struct Attention {
     if (j0 < h.j0) copy_rows(p, j0, h.j0, h), h.j0 = j0;
     if (j1 > h.j1) copy_rows(p, h.j1, j1, h), h.j1 = j1;
   }
-  //   h.k[j] = K[j], h.v[j] = V[j] for j in [j0, j1), each chunk's rows asked for a chunk ahead
+  //   h.k[j] = K[j], h.v[j] = V[j] for j in [j0, j1) (gather_rows), each chunk's rows asked for
+  //   a chunk ahead
   void copy_rows(const Problem& p, index_t j0, index_t j1, const Held& h) const {
     constexpr index_t C = 16;
     for (index_t j = j0; j < j1; j += C) {
       const index_t m = min_of<index_t>(C, j1 - j), n = min_of<index_t>(C, j1 - j - m);
-      if (hold_k && n > 0) prefetch_rows(key_row(p, j + m), a.k_rs, n, a.E);
-      if (hold_v && n > 0) prefetch_rows(value_row(p, j + m), a.v_rs, n, a.Ev);
-      if (hold_k) K::convert_rows(key_row(p, j), a.k_rs, m, a.E, h.k + j * a.E, a.E);
-      if (hold_v) K::convert_rows(value_row(p, j), a.v_rs, m, a.Ev, h.v + j * a.Ev, a.Ev);
+      if (n > 0 && hold_k) prefetch_keys(p, j + m, n);
+      if (n > 0 && hold_v) prefetch_values(p, j + m, n);
+      if (hold_k) gather_rows(p, j, m, true, h.k + j * a.E);
+      if (hold_v) gather_rows(p, j, m, false, h.v + j * a.Ev);
     }
   }
   void gather_rows(const Problem& p, index_t k0, index_t kb, bool keys, T* dst) const {
@@ -898,6 +898,18 @@ struct Attention {
   index_t last_q(const Problem& p, index_t q0, int i) const {
     return min_of<index_t>(p.Lq, q0 + index_t(i + 1) * NR) - 1;
   }
+  // The group at q0 of up to np panels: the panels that hold queries, and the keys [beg, end)
+  // its queries see (all that query_group reads, and so all that take_group copies). query_group
+  // spells the same two lines out: through this struct its loop ran 1.2% slower (AVX-512, causal
+  // H32 L1024 D128, 30 rounds), the panel loop's sensitivity to its surroundings.
+  struct GroupSpan {
+    int np;
+    index_t beg, end;
+  };
+  GroupSpan group_span(const Problem& p, index_t q0, int np) const {
+    np = int(min_of<index_t>(np, ceil_div(p.Lq - q0, NR)));
+    return GroupSpan{np, lo(p, q0), hi(p, last_q(p, q0, np - 1))};
+  }
 
   // Whether problem p's key blocks are visited outward from each task's queries (query_group):
   // ALiBi of a positive slope, whose bias peaks at a query's own key and falls away from it.
@@ -921,7 +933,7 @@ struct Attention {
   void query_group(const Problem& p, index_t q0, int np, Tile* t, const Convert& cv) const {
     if (q0 >= p.Lq) return;  // a shorter sequence of a varlen batch: no such queries
     np = int(min_of<index_t>(np, ceil_div(p.Lq - q0, NR)));
-    const index_t kbeg = lo(p, q0), kend = hi(p, last_q(p, q0, np - 1));
+    const index_t kbeg = lo(p, q0), kend = hi(p, last_q(p, q0, np - 1));  // as group_span
     const index_t c = ALIBI && outward(p) ? max_of<index_t>(kbeg, min_of<index_t>(kend, q0 + p.off)) : kbeg;
     // The task's Q rows and first K block are asked for together before the Q^T packing starts
     // on them: on short sequences these first touches were a sixth of the time.
@@ -1160,22 +1172,19 @@ struct Attention {
   }
 
   // Group q0 of problem p (query_group), its K / V rows read from the thread's copy where they
-  // are worth it (holds_problem): the same call on another Attention, whose K / V are the copy.
+  // are worth it (worth_holding): the same call on another Attention, whose K / V are the copy.
   // (Not a HOLD flag through query_group and key_block: a second instantiation of the panel loop
   // moved the compiler to take accumulate out of line, and the other calls ran 1.02-1.04x slower,
   // AVX-512 causal H32 L1024 D128.)
   template <bool CAP, bool ALIBI, class Panels>
   void take_group(const Problem& p, index_t q0, int np, Panels& ps) const {
-    if constexpr (!kHalf)
-      if (ps.h.zero && q0 < p.Lq && holds_problem(p)) {
-        const int n = int(min_of<index_t>(np, ceil_div(p.Lq - q0, NR)));
-        hold_rows(p, lo(p, q0), hi(p, last_q(p, q0, n - 1)), ps.h);
-        AttnArgs args = a;
-        if (hold_k) args.k = ps.h.k, args.koff = ps.h.zero, args.k_rs = a.E;
-        if (hold_v) args.v = ps.h.v, args.voff = ps.h.zero, args.v_rs = a.Ev;
-        return Attention(args).template query_group<CAP, ALIBI>(p, q0, np, ps.t, ps.cv);
-      }
-    query_group<CAP, ALIBI>(p, q0, np, ps.t, ps.cv);
+    if (!ps.h.zero || q0 >= p.Lq || !worth_holding(p.Lq)) return query_group<CAP, ALIBI>(p, q0, np, ps.t, ps.cv);
+    const GroupSpan gs = group_span(p, q0, np);
+    hold_rows(p, gs.beg, gs.end, ps.h);
+    AttnArgs args = a;
+    if (hold_k) args.k = ps.h.k, args.koff = ps.h.zero, args.k_rs = a.E;
+    if (hold_v) args.v = ps.h.v, args.voff = ps.h.zero, args.v_rs = a.Ev;
+    Attention(args).template query_group<CAP, ALIBI>(p, q0, np, ps.t, ps.cv);
   }
 
   // ---------------------------------------------------------------- short prefill (query rows)
