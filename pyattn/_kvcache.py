@@ -655,7 +655,16 @@ def varlen_attention(
         check_out(out, (Tq, Hq, Ev), dtype)
     scale = scale_value(scale, E)
     kernel_factors(scale, cap, dtype)
-    result = np.zeros((Tq, Hq, Ev), dtype)
+    # The kernel writes every row of every sequence (zeros where a sequence has no key), so the
+    # result needs no fill, and it goes straight into out where the core can write that in place
+    # (a zero-filled temporary copied into out cost a call 1.05-1.15x, 8 sequences of 64-2048)
+    direct = (
+        out is not None
+        and (Ev <= 1 or out.strides[-1] == out.itemsize)
+        and writable_in_place(out)
+        and not overlaps(out, q, k, v, slopes, sink)
+    )
+    result = out if direct else np.empty((Tq, Hq, Ev), dtype)
     lse = np.full((Tq, Hq), -np.inf, dtype) if return_lse else None
     bh = B * Hq
     if bh and Tq:
@@ -685,7 +694,7 @@ def varlen_attention(
             np.repeat(ql, Hq), None, None, 0, 0, 0,  # q_lens, block_table, bt_off, block_size, k_ps, v_ps
             None, None, 0, 0, None, None, 0, 0,  # k_scale, ksoff, ks_rs, ks_ps, v_scale, vsoff, vs_rs, vs_ps
         )  # fmt: skip
-    if out is not None:
+    if out is not None and not direct:
         out[...] = result
         result = out
     return (result, lse) if return_lse else result

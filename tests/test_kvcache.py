@@ -810,6 +810,37 @@ def test_varlen_out_and_empty_batch(rng):
     assert res.shape == (0, 2, 8)
 
 
+@pytest.mark.parametrize("form", ["direct", "rows_apart", "strided_last", "aliases_keys"])
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+def test_varlen_out_forms(isa, form, sinks, rng):
+    """Every form of out= gets every row of every sequence (keyless and empty ones too): written in
+    place where the core can (its NaN fill must not survive), through a temporary where not (a
+    strided last axis, out sharing memory with the keys being read)."""
+    lens = [(3, 0), (0, 4), (5, 5), (17, 40), (1, 1), (70, 70)]
+    cq = np.concatenate([[0], np.cumsum([a for a, _ in lens])]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum([b for _, b in lens])]).astype(np.int32)
+    H, E = 4, 8
+    q, k, v = (
+        randn(rng, (cq[-1], H, E), np.float32),
+        randn(rng, (ck[-1], H, E), np.float32),
+        randn(rng, (ck[-1], H, E), np.float32),
+    )
+    kw = {"sinks": np.array([1.0, -1.0, 0.0, 2.0], np.float32)} if sinks else {}
+    want, want_lse = pyattn.varlen_attention(q, k.copy(), v, cq, ck, is_causal=True, return_lse=True, **kw)
+    shape = (int(cq[-1]), H, E)
+    if form == "direct":
+        buf = np.full(shape, np.nan, np.float32)
+    elif form == "rows_apart":  # rows 3 heads wide, in place
+        buf = np.full((shape[0], H + 3, E), np.nan, np.float32)[:, 1 : H + 1]
+    elif form == "strided_last":
+        buf = np.full(shape + (2,), np.nan, np.float32)[..., 0]
+    else:
+        buf = k[: shape[0]]
+    got, lse = pyattn.varlen_attention(q, k, v, cq, ck, is_causal=True, return_lse=True, out=buf, **kw)
+    assert got is buf
+    assert np.array_equal(got, want) and np.array_equal(lse, want_lse), form
+
+
 VARLEN_BAD = {
     "q_not_from_0": (np.array([1, 3, 6]), np.array([0, 3, 6]), "cu_seqlens_q"),
     "k_not_from_0": (np.array([0, 3, 6]), np.array([2, 3, 6]), "cu_seqlens_k"),
