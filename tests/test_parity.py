@@ -482,6 +482,13 @@ def test_strided_rows_copied_per_problem(isa, dtype, threads, rng):
         check_same_bits((qc, kc, v), (qc, kc, vc), {"is_causal": True}, dtype)
         q4 = randn(rng, (B, 4, L, D), dtype)
         check_same_bits((q4, k, v), (q4, kc, vc), {"enable_gqa": True, "is_causal": True}, dtype)
+        # two sequences of GQA groups: a thread's copy passes from one query head of a group to
+        # the next, and is made anew for the next group's K/V head (window: key ranges move)
+        q8 = randn(rng, (2, 8, 800, D), dtype)
+        k2, v2 = (randn(rng, (2, 800, 2, D), dtype).transpose(0, 2, 1, 3) for _ in range(2))
+        k2c, v2c = np.ascontiguousarray(k2), np.ascontiguousarray(v2)
+        for kw in ({"is_causal": True, "causal_align": "bottom_right"}, {"window": (500, 0), "is_causal": True}):
+            check_same_bits((q8, k2, v2), (q8, k2c, v2c), {"enable_gqa": True, **kw}, dtype)
         # varlen: a long sequence (copied) between short ones (read in place)
         lens = [5, 1100, 70, 1030]
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)

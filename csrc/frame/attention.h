@@ -405,9 +405,13 @@ struct Attention {
     index_t bh, j0, j1;
   };
   // Keys [j0, j1) of problem p into the thread's copy, beside those it holds (or in their place).
+  // The query heads of a GQA group read the same rows, so a copy stays theirs as it was made
+  // for the first one (head-major tasks give a thread a group's heads one after another).
   PYATTN_NOINLINE void hold_rows(const Problem& p, index_t j0, index_t j1, Held& h) const {
     if (j0 >= j1) return;
-    if (h.bh != p.bh || j0 > h.j1 || j1 < h.j0) h.bh = p.bh, h.j0 = h.j1 = j0;
+    const bool same =
+        h.bh >= 0 && (!hold_k || a.koff[h.bh] == a.koff[p.bh]) && (!hold_v || a.voff[h.bh] == a.voff[p.bh]);
+    if (!same || j0 > h.j1 || j1 < h.j0) h.bh = p.bh, h.j0 = h.j1 = j0;
     if (j0 < h.j0) copy_rows(p, j0, h.j0, h), h.j0 = j0;
     if (j1 > h.j1) copy_rows(p, h.j1, j1, h), h.j1 = j1;
   }
