@@ -631,7 +631,7 @@ def varlen_attention(
         raise ValueError(f"key {k.shape} / value {v.shape} do not fit query {q.shape}: expected (total_k, Hkv, E|Ev)")
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
-    cu = []
+    cu, lens = [], []
     for c, name, total in ((cu_seqlens_q, "cu_seqlens_q", Tq), (cu_seqlens_k, "cu_seqlens_k", Tk)):
         c = np.asarray(c)
         if c.dtype.kind not in "iu":
@@ -639,17 +639,21 @@ def varlen_attention(
         if c.ndim != 1 or c.size < 1:
             raise ValueError(f"{name} must be a 1-D integer array (B + 1,); got {c.dtype} {c.shape}")
         c = int64_values(c, name)  # differences taken in int64: an unsigned or narrow type would wrap
-        if c[0] != 0 or np.any(np.diff(c) < 0) or c[-1] != total:
+        n = c[1:] - c[:-1]
+        if c[0] != 0 or (n < 0).any() or c[-1] != total:
             raise ValueError(f"{name} must start at 0, never decrease and end at {total}; got {c.tolist()}")
         cu.append(c)
+        lens.append(n)
     cq, ck = cu
+    ql, kl = lens
     if cq.size != ck.size:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length; got {cq.size} and {ck.size}")
     B, group = cq.size - 1, Hq // Hkv
     win_left, win_right = window_sides(window)
     cap = softcap_value(softcap)
     slopes = per_head(alibi_slopes, "alibi_slopes", (Hq,), dtype)
-    alibi_span(slopes, int(np.max(np.diff(cq) + np.diff(ck), initial=0)), dtype)
+    if slopes is not None:
+        alibi_span(slopes, int(np.max(ql + kl, initial=0)), dtype)
     sink = per_head(sinks, "sinks", (Hq,), dtype)
     if out is not None:
         check_out(out, (Tq, Hq, Ev), dtype)
@@ -670,23 +674,27 @@ def varlen_attention(
     if bh and Tq:
         qb = unit_last(np.asarray(q, dtype))
         kb, vb = unit_last(np.asarray(k, dtype)), unit_last(np.asarray(v, dtype))
-        ql, kl = np.diff(cq).astype(np.int64), np.diff(ck).astype(np.int64)
         hq = np.arange(Hq, dtype=np.int64)
+        hk = hq // group
+        known = {}
 
-        def offs(a, starts, heads):  # element offset of (sequence b, head) rows
-            return (starts[:, None] * _elem(a, 0) + heads[None, :] * _elem(a, 1)).astype(np.int64).reshape(-1)
+        def offs(a, starts, heads):  # element offset of (sequence b, head) rows (int64), once a layout
+            key = (a.strides, starts is cq, heads is hq)
+            if key not in known:
+                known[key] = (starts[:-1, None] * _elem(a, 0) + heads * _elem(a, 1)).ravel()
+            return known[key]
 
         tile = lambda x: np.ascontiguousarray(np.tile(x, B)) if x is not None else None  # noqa: E731
         _core.attention(  # positional, in _core.pyi's order (see _api.scaled_dot_product_attention)
             qb, kb, vb, result,  # q, k, v, out
             bh, int(ql.max()), int(kl.max()), E, Ev, group,  # bh, Lq, Lk, E, Ev, group
-            offs(qb, cq[:-1], hq), _elem(qb, 0),  # qoff, q_rs
-            offs(kb, ck[:-1], hq // group), _elem(kb, 0),  # koff, k_rs
-            offs(vb, ck[:-1], hq // group), _elem(vb, 0),  # voff, v_rs
-            offs(result, cq[:-1], hq), _elem(result, 0),  # ooff, o_rs
+            offs(qb, cq, hq), _elem(qb, 0),  # qoff, q_rs
+            offs(kb, ck, hk), _elem(kb, 0),  # koff, k_rs
+            offs(vb, ck, hk), _elem(vb, 0),  # voff, v_rs
+            offs(result, cq, hq), _elem(result, 0),  # ooff, o_rs
             0, None, None,  # mask_kind, mask, moff
             0, 0,  # m_rs, m_cs
-            lse, offs(lse[..., None], cq[:-1], hq) if lse is not None else None, Hq,  # lse, lseoff, lse_s
+            lse, offs(lse[..., None], cq, hq) if lse is not None else None, Hq,  # lse, lseoff, lse_s
             None, None, 0,  # weights, woff, w_rs
             scale, bool(is_causal), True,  # scale, causal, bottom_right
             cap, tile(slopes), tile(sink), win_left, win_right,  # softcap, alibi, sinks, win_left, win_right
