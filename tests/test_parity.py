@@ -489,6 +489,9 @@ def test_strided_rows_copied_per_problem(isa, dtype, threads, rng):
         k2c, v2c = np.ascontiguousarray(k2), np.ascontiguousarray(v2)
         for kw in ({"is_causal": True, "causal_align": "bottom_right"}, {"window": (500, 0), "is_causal": True}):
             check_same_bits((q8, k2, v2), (q8, k2c, v2c), {"enable_gqa": True, **kw}, dtype)
+        # only one of them strided: the copy is kept by that operand's offsets alone
+        check_same_bits((q8, k2, v2c), (q8, k2c, v2c), {"enable_gqa": True, "is_causal": True}, dtype)
+        check_same_bits((q8, k2c, v2), (q8, k2c, v2c), {"enable_gqa": True, "is_causal": True}, dtype)
         # varlen: a long sequence (copied) between short ones (read in place)
         lens = [5, 1100, 70, 1030]
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
