@@ -43,6 +43,7 @@ from ._validate import (
     unit_last,
     window_sides,
     writable_in_place,
+    writes_in_place,
 )
 
 __all__ = [
@@ -197,13 +198,7 @@ def scaled_dot_product_attention(
                 lse[...] = -np.inf if sink is None else sink.reshape(lead + (1,))
             result[...] = 0
         else:
-            target = result
-            if (
-                result.strides[-1] != result.itemsize
-                or not writable_in_place(result)
-                or overlaps(result, q, k, v, m, slopes, sink, lens)
-            ):
-                target = np.empty(out_shape, dtype)
+            target = result if writes_in_place(result, q, k, v, m, slopes, sink, lens) else np.empty(out_shape, dtype)
             kv_dtype = k.dtype if kv_type else dtype
             qb = unit_last(broadcast(cast(q, dtype), lead + (Lq, E)))
             kb = unit_last(broadcast(cast(k, kv_dtype), kv_lead + (Lk, E)))

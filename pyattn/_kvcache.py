@@ -25,7 +25,6 @@ from ._validate import (
     is_float64,
     kernel_factors,
     lead_offsets,
-    overlaps,
     per_head,
     positive_int,
     scale_value,
@@ -33,7 +32,7 @@ from ._validate import (
     strided_offsets,
     unit_last,
     window_sides,
-    writable_in_place,
+    writes_in_place,
 )
 
 _CACHE_KV_TYPES = {"float16": 1, "bfloat16": 2, "int8": 3}
@@ -295,11 +294,8 @@ def _cache_attention(
     # an out laid out for the kernel (unit last stride, aligned, whole-element strides, no element
     # reached twice through a zero stride: the threads would race on it) and apart from every
     # input, else a temporary copied in
-    if (
-        target.strides[-1] != target.itemsize
-        or not writable_in_place(target)
-        or (target is out and overlaps(out, q, k_cache, v_cache, k_scale, v_scale, table, slopes, sink))
-    ):
+    reads = (q, k_cache, v_cache, k_scale, v_scale, table, slopes, sink) if target is out else ()
+    if not writes_in_place(target, *reads):
         target = np.zeros((B, Hq, Lq, Ev), dtype)
     lse = np.full((B, Hq, Lq), -np.inf, dtype) if return_lse else None
     if counts is not None and any(np.may_share_memory(q, c) for c, _ in written):
@@ -659,39 +655,35 @@ def varlen_attention(
         check_out(out, (Tq, Hq, Ev), dtype)
     scale = scale_value(scale, E)
     kernel_factors(scale, cap, dtype)
-    # The kernel writes every row of every sequence (zeros where a sequence has no key), so the
-    # result needs no fill, and it goes straight into out where the core can write that in place
-    # (a zero-filled temporary copied into out cost a call 1.05-1.15x, 8 sequences of 64-2048)
-    direct = (
-        out is not None
-        and (Ev <= 1 or out.strides[-1] == out.itemsize)
-        and writable_in_place(out)
-        and not overlaps(out, q, k, v, slopes, sink)
-    )
+    # The kernel writes every row of every sequence, output and lse (zeros and -inf, or the sink,
+    # where a sequence has no key), so neither needs a fill, and the output goes straight into out
+    # where the core can write that (a zero-filled temporary copied into out cost a call
+    # 1.05-1.15x, 8 sequences of 64-2048)
+    direct = out is not None and writes_in_place(out, q, k, v, slopes, sink)
     result = out if direct else np.empty((Tq, Hq, Ev), dtype)
-    lse = np.full((Tq, Hq), -np.inf, dtype) if return_lse else None
+    lse = np.empty((Tq, Hq), dtype) if return_lse else None
     bh = B * Hq
     if bh and Tq:
         qb = unit_last(np.asarray(q, dtype))
         kb, vb = unit_last(np.asarray(k, dtype)), unit_last(np.asarray(v, dtype))
         hq = np.arange(Hq, dtype=np.int64)
-        hk = hq // group
-        known = {}
 
-        def offs(a, starts, heads):  # element offset of (sequence b, head) rows (int64), once a layout
-            key = (a.strides, starts is cq, heads is hq)
-            if key not in known:
-                known[key] = (starts[:-1, None] * _elem(a, 0) + heads * _elem(a, 1)).ravel()
-            return known[key]
+        def offs(a, starts, heads):  # element offset of (sequence b, head) rows, int64
+            return (starts[:-1, None] * _elem(a, 0) + heads * _elem(a, 1)).ravel()
+
+        # q and out, k and v, usually share a layout, and then their offsets
+        qoff, koff = offs(qb, cq, hq), offs(kb, ck, hq // group)
+        voff = koff if vb.strides == kb.strides else offs(vb, ck, hq // group)
+        ooff = qoff if result.strides == qb.strides else offs(result, cq, hq)
 
         tile = lambda x: np.ascontiguousarray(np.tile(x, B)) if x is not None else None  # noqa: E731
         _core.attention(  # positional, in _core.pyi's order (see _api.scaled_dot_product_attention)
             qb, kb, vb, result,  # q, k, v, out
             bh, int(ql.max()), int(kl.max()), E, Ev, group,  # bh, Lq, Lk, E, Ev, group
-            offs(qb, cq, hq), _elem(qb, 0),  # qoff, q_rs
-            offs(kb, ck, hk), _elem(kb, 0),  # koff, k_rs
-            offs(vb, ck, hk), _elem(vb, 0),  # voff, v_rs
-            offs(result, cq, hq), _elem(result, 0),  # ooff, o_rs
+            qoff, _elem(qb, 0),  # qoff, q_rs
+            koff, _elem(kb, 0),  # koff, k_rs
+            voff, _elem(vb, 0),  # voff, v_rs
+            ooff, _elem(result, 0),  # ooff, o_rs
             0, None, None,  # mask_kind, mask, moff
             0, 0,  # m_rs, m_cs
             lse, offs(lse[..., None], cq, hq) if lse is not None else None, Hq,  # lse, lseoff, lse_s

@@ -91,6 +91,13 @@ def writable_in_place(a: np.ndarray) -> bool:
     )
 
 
+def writes_in_place(out: np.ndarray, *reads) -> bool:
+    """Whether an attention kernel may write its output straight into ``out``: rows of unit
+    stride, writable_in_place, and no memory shared with anything the call reads (``None``
+    entries are skipped); else the call writes a temporary and copies it in."""
+    return out.strides[-1] == out.itemsize and writable_in_place(out) and not overlaps(out, *reads)
+
+
 def may_self_overlap(a: np.ndarray) -> bool:
     """Whether ``a`` may reach one element through two indices: False when its axes, taken by
     stride, each step past everything the smaller ones span (the sufficient test; a layout that
