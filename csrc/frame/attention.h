@@ -387,31 +387,32 @@ struct Attention {
     return std::size_t(a.Lk) * std::size_t(row);
   }
   // Whether the rows of a problem of Lq queries are worth the copy: rows of up to 256 bytes that
-  // 384 queries or more read. Rows of 512 bytes were 1.02-1.05x slower in place than contiguous and no faster copied
-  // (D128 L1024-2048). Copied over in place (time): with 256 readers L256 1.02, causal L512 1.06;
-  // with 384-512, L384 1.01, L448 0.99, L512 1.00, causal L768 0.98, causal L896 0.97 (and
-  // varlen's 8 causal sequences of 64-2048 tokens 0.97x the time holding from 512); beyond,
-  // L768 0.95, causal L1536 0.94.
+  // 384 queries or more read. Rows of 512 bytes were 1.02-1.05x slower in place than contiguous
+  // and no faster copied (D128 L1024-2048). Copied over in place (time): with 256 readers L256
+  // 1.02, causal L512 1.06; with 384-512, L384 1.01, L448 0.99, L512 1.00, causal L768 0.98,
+  // causal L896 0.97 (and varlen's 8 causal sequences of 64-2048 tokens 0.97x the time holding
+  // from 512); beyond, L768 0.95, causal L1536 0.94.
   bool worth_holding(index_t Lq) const {
     index_t reads = a.causal ? Lq / 2 : Lq;
     if (wl != kNoLimit) reads = min_of<index_t>(reads, wl + 1);
     return max_of<index_t>(hold_k ? a.E : 0, hold_v ? a.Ev : 0) * index_t(sizeof(T)) <= 256 && reads >= 384;
   }
   // A thread's copy: key j's rows at k + j * E and v + j * Ev (null where that operand is not
-  // copied), keys [j0, j1) of problem bh there; zero: a[bh] zeros, the copy's row offsets.
+  // copied), keys [j0, j1) of the K / V rows at element offsets ko / vo (0 for an operand not
+  // copied; kNone before the first copy); zero: a.bh zeros, the copy's row offsets.
   struct Held {
+    static constexpr index_t kNone = std::numeric_limits<index_t>::min();
     T *k, *v;
     index_t* zero;
-    index_t bh, j0, j1;
+    index_t ko, vo, j0, j1;
   };
   // Keys [j0, j1) of problem p into the thread's copy, beside those it holds (or in their place).
-  // The query heads of a GQA group read the same rows, so a copy stays theirs as it was made
-  // for the first one (head-major tasks give a thread a group's heads one after another).
+  // Kept by the rows' offsets, not the problem: the query heads of a GQA group read the same
+  // rows, and head-major tasks give a thread a group's heads one after another.
   PYATTN_NOINLINE void hold_rows(const Problem& p, index_t j0, index_t j1, Held& h) const {
     if (j0 >= j1) return;
-    const bool same =
-        h.bh >= 0 && (!hold_k || a.koff[h.bh] == a.koff[p.bh]) && (!hold_v || a.voff[h.bh] == a.voff[p.bh]);
-    if (!same || j0 > h.j1 || j1 < h.j0) h.bh = p.bh, h.j0 = h.j1 = j0;
+    const index_t ko = hold_k ? a.koff[p.bh] : 0, vo = hold_v ? a.voff[p.bh] : 0;
+    if (ko != h.ko || vo != h.vo || j0 > h.j1 || j1 < h.j0) h.ko = ko, h.vo = vo, h.j0 = h.j1 = j0;
     if (j0 < h.j0) copy_rows(p, j0, h.j0, h), h.j0 = j0;
     if (j1 > h.j1) copy_rows(p, h.j1, j1, h), h.j1 = j1;
   }
@@ -1119,7 +1120,7 @@ struct Attention {
       for (int i = 0; i < np; ++i) ps.t[i] = carve(base + i * panel);
       ps.cv.kc = base + np * panel;
       ps.cv.vc = ps.cv.kc + BK * a.E;
-      ps.h = Held{nullptr, nullptr, nullptr, -1, 0, 0};
+      ps.h = Held{nullptr, nullptr, nullptr, Held::kNone, Held::kNone, 0, 0};
       if (held) {
         T* h = static_cast<T*>(scratch(1, held * sizeof(T)));
         ps.h.k = hold_k ? h : nullptr;
