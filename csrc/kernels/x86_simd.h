@@ -612,7 +612,7 @@ struct VecKernels {
         for (int r = 0; r < RB; ++r) acc[r * KB + j] = Ops::fma(qv[r], kv, acc[r * KB + j]);
       }
     }
-    // Copied out for sum_lanes (out of line on AVX-512): with acc itself passed, GCC kept all
+    // Copied out for sum_lanes: with acc itself passed to an out-of-line sum_lanes, GCC kept all
     // of acc on the stack, zeroed there and reloaded every call (grouped decode 1.04-1.07x slower).
     V all[L];  // the lanes past RB * KB zero
 #pragma GCC unroll 16
