@@ -2,8 +2,10 @@
 per K/V head, with their float64 references (tests/test_config.py runs them in subprocesses under
 each PYATTN_DECODE_PREFETCH setting). Key rows of at most 128 bytes (float16 D64, int8 D128) take
 several keys at a time under every setting; the longer ones (float32 D128, float16 D128, int8
-D256) follow the setting. "float32 / float16 grouped": six query rows per K/V head (four, then
-two, a few keys at a time on AVX-512, key by key elsewhere), under every setting."""
+D256) follow the setting. "float32 / float16 / int8 grouped": six query rows per K/V head (four,
+then two, a few keys at a time on AVX-512, key by key elsewhere), under every setting; the half and
+int8 ones in blocks of 128 keys where the kernel set reads them a few keys at a time, the last
+block partial (32800 keys)."""
 
 from __future__ import annotations
 
@@ -66,6 +68,12 @@ def decode_cases():
             lambda: pyattn.scaled_dot_product_attention(qs, ks16, vs16),
             lambda: ref.scaled_dot_product_attention(f64(qs), f64(ks16), f64(vs16)),
         ),
+        "int8 grouped": (
+            lambda: pyattn.kvcache_attention(qg, ki, vi, n8, k_scale=ks, v_scale=vs),
+            lambda: ref.scaled_dot_product_attention(
+                f64(qg), f64(ki) * ks[..., None], f64(vi) * vs[..., None], enable_gqa=True
+            ),
+        ),
         "int8 D256": (
             lambda: pyattn.kvcache_attention(ql, kl, vl, nl, k_scale=ksl, v_scale=vsl),
             lambda: ref.scaled_dot_product_attention(f64(ql), f64(kl) * ksl[..., None], f64(vl) * vsl[..., None]),
@@ -80,7 +88,8 @@ def paged_twins():
     bit (output and lse). Rows of 512 bytes (float32 D128: the loop follows
     PYATTN_DECODE_PREFETCH), 128 (float16 D64 and int8 D128: several keys at a time when
     contiguous) and 400 (float32 D100: a partial vector at the end of every row); and six query
-    rows per K/V head over float16 D128 (grouped, a task reading several heads of a block)."""
+    rows per K/V head over float16 and int8 D128 (grouped, a task reading several heads of a
+    block; 128-key blocks on AVX-512)."""
     rng = np.random.default_rng(7)
     H, bs = 4, 16
     twins = {}
@@ -90,6 +99,7 @@ def paged_twins():
         ("float32 D100", np.float32, 100, 5300, 1),
         ("int8 D128", np.int8, 128, 16400, 1),
         ("float16 D128 grouped", np.float16, 128, 16400, 6),
+        ("int8 D128 grouped", np.int8, 128, 16400, 6),
     ):
         nb = -(-L // bs)
         q = rng.standard_normal((1, H * group, 1, D), dtype=np.float32)

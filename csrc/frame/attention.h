@@ -1345,6 +1345,14 @@ struct Attention {
   // none, one Zen 5 core streamed at ~70% of its rate for a plain sum; 1 and 2 measured the same
   // (on the Xeon, 4 the same as 2).
   static constexpr index_t PFD = 2;
+  // Grouped half and int8 rows streamed from memory (decode_block's rows L / 4 keys at a time)
+  // take blocks of kWideDB keys, prefetched one block ahead (the same 128 keys): each block's
+  // softmax, rescale and accumulator round trip serve twice the keys. Xeon, AVX-512, one process,
+  // B1 Hq32 Hkv8 Lk32768 D128: int8 1.02-1.05x, float16 1.02-1.04x; paged (B4 L4096, 16-token
+  // blocks) float16 1.03-1.05x, int8 1.00x; AVX2's int8 rows 1.00x. float32 rows keep DB (paged
+  // 0.97x wide, contiguous 0.99-1.00x), and so do single rows (int8 0.94-0.98x wide).
+  static constexpr index_t kWideDB = 128, kWidePFD = 1;
+  static constexpr index_t pfd_of(index_t db) { return db == kWideDB ? kWidePFD : PFD; }
 
   // Rows of a decode task: all Lq queries of the `group` heads that share one K/V, at most
   // kDecodeRows (use_decode).
@@ -1355,7 +1363,7 @@ struct Attention {
   };
 
   static std::size_t decode_scratch(index_t R, index_t E, index_t Ev) {
-    return std::size_t(R) * std::size_t(E + DB + Ev + 2) * sizeof(T);
+    return std::size_t(R) * std::size_t(E + kWideDB + Ev + 2) * sizeof(T);
   }
 
   // The score variants on row x's block of kb scores (query qi of problem p, keys from k0).
@@ -1373,7 +1381,7 @@ struct Attention {
   // Where keys [k0, k0+n) of problem p lie: page[j] (a block-table entry; 0 when contiguous) and
   // slot[j] (the row within it; the key itself when contiguous).
   struct Slots {
-    index_t page[DB], slot[DB];
+    index_t page[kWideDB], slot[kWideDB];
   };
   void slots(const Problem& p, index_t k0, index_t n, Slots& s) const {
     if (!a.block_table) {
@@ -1439,12 +1447,18 @@ struct Attention {
     const KV *kb0, *vb0;
     const float *ks0, *vs0;   // int8: the scales of key j, addressed through the same slots as its row
     Problem rp[kDecodeRows];  // R = group * Lq <= kDecodeRows on this path (use_decode)
+    index_t db;               // keys per block: DB, or kWideDB (decode_db)
     Slots ring[PFD + 1];
   };
 
   // Whether the call's K/V (all groups, all keys) fit in half a typical L3.
   bool decode_cached() const {
     return double(a.bh / a.group) * double(a.Lk) * double(a.E + a.Ev) * double(sizeof(KV)) <= 16.0 * (1 << 20);
+  }
+  // Keys per decode block for R rows: kWideDB where decode_block streams grouped half or int8
+  // rows from memory several keys at a time, else DB.
+  index_t decode_db(index_t R) const {
+    return R > 1 && kHalf && !decode_cached() && (kInt8 || grouped_stream_keys<K>::value) ? kWideDB : DB;
   }
 
   // Starts group g's run over keys [j0, j1) in rows r: q = query * s2, m = -inf, l = 0, acc = 0.
@@ -1463,8 +1477,9 @@ struct Attention {
     u.pg = problem(h0);
     u.j0 = j0;
     u.j1 = j1;
-    for (index_t i = 0; i < PFD && j0 + i * DB < j1; ++i)
-      slots(u.pg, j0 + i * DB, min_of<index_t>(DB, j1 - j0 - i * DB), u.ring[i]);
+    u.db = decode_db(r.R);
+    for (index_t i = 0; i < pfd_of(u.db) && j0 + i * u.db < j1; ++i)
+      slots(u.pg, j0 + i * u.db, min_of<index_t>(u.db, j1 - j0 - i * u.db), u.ring[i]);
     u.kb0 = key + a.koff[u.pg.bh];
     u.vb0 = value + a.voff[u.pg.bh];
     u.ks0 = kInt8 ? a.k_scale + a.ksoff[u.pg.bh] : nullptr;
@@ -1494,11 +1509,14 @@ struct Attention {
   // Key rows of at most two cache lines: the rows decode_stream_keys and decode_block treat apart.
   bool short_key_rows() const { return a.E * index_t(sizeof(KV)) <= 128; }
 
-  // Block blk of run u, keys [k0, k0 + DB) cut at u.j1; leaves unnormalised acc, running max m
+  // Block blk of run u, keys [k0, k0 + u.db) cut at u.j1; leaves unnormalised acc, running max m
   // (log2 units) and sum l per row. stream_keys (decode_stream_keys): single rows streamed from
   // memory, prefetched key by key, or several keys at a time with none. The rows prefetched
-  // (where they are) are those of block ablk of run ahead: u's own block PFD ahead, or
-  // (decode_groups) the block read PFD calls on.
+  // (where they are) are those of block ablk of run ahead: u's own block pfd_of(db) ahead, or
+  // (decode_groups) the block read that many calls on.
+  // db (u.db): a constant of each instance, so that the single rows' loops keep the bounds they
+  // had with one block size (AVX2 int8 rows 1.02-1.04x slower with db read from u).
+  template <index_t db>
   PYATTN_PHASE void decode_block(GroupRun& u, index_t k0, index_t blk, const GroupRun& ahead, index_t ablk, bool cached,
                                  bool stream_keys) const {
     const index_t Lq = a.Lq, E = a.E, Ev = a.Ev, j1 = u.j1;
@@ -1513,13 +1531,14 @@ struct Attention {
     auto krow = [&](const Slots& s, index_t j) { return kb0 + s.page[j] * a.k_ps + s.slot[j] * a.k_rs; };
     auto vrow = [&](const Slots& s, index_t j) { return vb0 + s.page[j] * a.v_ps + s.slot[j] * a.v_rs; };
     const Slots& as = ahead.ring[ablk % (PFD + 1)];
-    const index_t an = min_of<index_t>(DB, ahead.j1 - (ahead.j0 + ablk * DB));  // rows to prefetch
+    const index_t an = min_of<index_t>(db, ahead.j1 - (ahead.j0 + ablk * db));  // rows to prefetch
     auto akrow = [&](index_t j) { return ahead.kb0 + as.page[j] * a.k_ps + as.slot[j] * a.k_rs; };
     auto avrow = [&](index_t j) { return ahead.vb0 + as.page[j] * a.v_ps + as.slot[j] * a.v_rs; };
-    T ks[DB];  // int8: this block's key scales, then its value scales
-    const index_t kb = min_of<index_t>(DB, j1 - k0), k1 = k0 + PFD * DB, nb = min_of<index_t>(DB, j1 - k1);
+    T ks[db];  // int8: this block's key scales, then its value scales
+    constexpr index_t pfd = pfd_of(db);
+    const index_t kb = min_of<index_t>(db, j1 - k0), k1 = k0 + pfd * db, nb = min_of<index_t>(db, j1 - k1);
     Slots* cur = &ring[blk % (PFD + 1)];
-    Slots* nxt = &ring[(blk + PFD) % (PFD + 1)];
+    Slots* nxt = &ring[(blk + pfd) % (PFD + 1)];
     if (nb > 0) slots(pg, k1, nb, *nxt);
     // s[x, j] = q_x . k_j. Streamed from memory (stream_keys, and grouped rows past the cached
     // size), key rows are read one after the other and prefetched one row per key: this
@@ -1545,7 +1564,7 @@ struct Attention {
     // arithmetic, bit for bit) made the streamed key-by-key loop between them 1.06-1.09x slower
     // (GPT-2 B4 c1024, three one-process A/Bs), this loop's known sensitivity to code layout.
     if (r.R == 1 && !stream_keys) {
-      const KV* krows[DB];
+      const KV* krows[db];
       rows_at(kb0, a.k_rs, a.k_ps, *cur, k0, kb, krows);
       if (prefetch_cached_rows<K>::value && cached && an >= kb && (!kHalf || kInt8 || short_key_rows())) {
         // The call's K/V fit in cache, but a model reads them from memory (its other layers
@@ -1554,15 +1573,15 @@ struct Attention {
         // memory it saved 1.05-1.33x (float32 D64 / D128, float16 D64, int8 D128; 2 threads,
         // Zen 4), but cost float16 / bfloat16 D128 rows 1.12-1.25x, which go without. AVX2
         // lost both ways (0.84-0.86 in cache, 0.85-0.88 from memory): kPrefetchCachedRows.
-        const KV* pk[DB];
-        const KV* pv[DB];
+        const KV* pk[db];
+        const KV* pv[db];
         for (index_t j = 0; j < kb; ++j) {
           pk[j] = akrow(j);
           pv[j] = avrow(j);
         }
-        K::dot_keys(r.q, E, index_t(1), krows, kb, E, r.s, DB, pk, pv, Ev);
+        K::dot_keys(r.q, E, index_t(1), krows, kb, E, r.s, db, pk, pv, Ev);
       } else {
-        K::dot_keys(r.q, E, index_t(1), krows, kb, E, r.s, DB);
+        K::dot_keys(r.q, E, index_t(1), krows, kb, E, r.s, db);
       }
     } else if (r.R == 1 || !(cached || kInt8 || grouped_stream_keys<K>::value)) {
       for (index_t j = 0; j < kb; ++j) {
@@ -1571,10 +1590,10 @@ struct Attention {
           prefetch_rows(akrow(j), a.k_rs, 1, E);
           prefetch_rows(avrow(j), a.v_rs, 1, Ev);
         }
-        K::dot_rows(r.q, E, r.R, krow(*cur, j), E, r.s + j, DB);
+        K::dot_rows(r.q, E, r.R, krow(*cur, j), E, r.s + j, db);
       }
     } else {
-      const KV* krows[DB];
+      const KV* krows[db];
       rows_at(kb0, a.k_rs, a.k_ps, *cur, k0, kb, krows);
       // Keys per dot_keys call, their prefetches (streamed) just before it. Streamed half rows
       // asked for 16 keys' rows at once (192 prefetches) ran 1.17-1.35x slower than four keys'
@@ -1591,14 +1610,14 @@ struct Attention {
             }
           }
         }
-        K::dot_keys(r.q, E, r.R, krows + jg, n, E, r.s + jg, DB);
+        K::dot_keys(r.q, E, r.R, krows + jg, n, E, r.s + jg, db);
       }
     }
     if constexpr (kInt8) scales_at(ks0, a.ks_rs, a.ks_ps, *cur, k0, kb, ks);
     for (index_t x = 0; x < r.R; ++x) {
       const Problem& p = rp[x];
       const index_t qi = x % Lq;
-      T* s = r.s + x * DB;
+      T* s = r.s + x * db;
       if constexpr (kInt8)  // q . (scale k) = scale (q . k)
         for (index_t j = 0; j < kb; ++j) s[j] *= ks[j];
       mod_keys(p, qi, k0, kb, s);
@@ -1617,11 +1636,11 @@ struct Attention {
     if constexpr (kInt8) {  // sum_j p_j (scale_j v_j): the value scales join P, once l is taken
       scales_at(vs0, a.vs_rs, a.vs_ps, *cur, k0, kb, ks);
       for (index_t x = 0; x < r.R; ++x)
-        for (index_t j = 0; j < kb; ++j) r.s[x * DB + j] *= ks[j];
+        for (index_t j = 0; j < kb; ++j) r.s[x * db + j] *= ks[j];
     }
     // acc_x += sum_j p[x, j] v_j, the accumulator chunk held in registers over the block's
     // rows wherever they lie
-    const KV* vrows[DB];
+    const KV* vrows[db];
     rows_at(vb0, a.v_rs, a.v_ps, *cur, k0, kb, vrows);
     // Keys hidden by position stay out of a row's output even as 0 * NaN (as in the prefill's
     // accumulate): where an edge crosses the block and a value row is not finite, each row
@@ -1634,11 +1653,11 @@ struct Attention {
     }
     rh = max_of<index_t>(rh, rl);
     if ((rl == 0 && rh == kb) || (finite_kv_rows(vrows, ks, 0, rl, Ev) && finite_kv_rows(vrows, ks, rh, kb, Ev))) {
-      K::pv_rows(r.s, DB, r.R, kb, vrows, Ev, r.acc);
+      K::pv_rows(r.s, db, r.R, kb, vrows, Ev, r.acc);
     } else {
       for (index_t x = 0; x < r.R; ++x) {
         const auto [jl, jh] = seen(rp[x], x % Lq, k0, kb);
-        if (jh > jl) K::pv_rows(r.s + x * DB + jl, DB, 1, jh - jl, vrows + jl, Ev, r.acc + x * Ev);
+        if (jh > jl) K::pv_rows(r.s + x * db + jl, db, 1, jh - jl, vrows + jl, Ev, r.acc + x * Ev);
       }
     }
   }
@@ -1651,8 +1670,13 @@ struct Attention {
     decode_start(g, j0, j1, r, u);
     const bool cached = decode_cached();
     const bool stream_keys = decode_stream_keys(cached);
+    if (u.db == kWideDB) {
+      for (index_t k0 = j0, blk = 0; k0 < j1; k0 += kWideDB, ++blk)
+        decode_block<kWideDB>(u, k0, blk, u, blk + kWidePFD, cached, stream_keys);
+      return;
+    }
     for (index_t k0 = j0, blk = 0; k0 < j1; k0 += DB, ++blk)
-      decode_block(u, k0, blk, u, blk + PFD, cached, stream_keys);
+      decode_block<DB>(u, k0, blk, u, blk + PFD, cached, stream_keys);
   }
 
   // Runs keys [j0, j1) of head groups [g0, g0 + n) in rows rs[0..n), a block of each group in
@@ -1683,9 +1707,15 @@ struct Attention {
     for (index_t i = 0; i < n; ++i) decode_start(g0 + i, j0, j1, rs[i], u[i]);
     const bool cached = decode_cached();
     const bool stream_keys = decode_stream_keys(cached);
+    if (u[0].db == kWideDB) {
+      for (index_t k0 = j0, blk = 0; k0 < j1; k0 += kWideDB, ++blk)
+        for (index_t i = 0; i < n; ++i)
+          decode_block<kWideDB>(u[i], k0, blk, u[(i + kWidePFD) % n], blk + (i + kWidePFD) / n, cached, stream_keys);
+      return;
+    }
     for (index_t k0 = j0, blk = 0; k0 < j1; k0 += DB, ++blk)
       for (index_t i = 0; i < n; ++i)
-        decode_block(u[i], k0, blk, u[(i + PFD) % n], blk + (i + PFD) / n, cached, stream_keys);
+        decode_block<DB>(u[i], k0, blk, u[(i + PFD) % n], blk + (i + PFD) / n, cached, stream_keys);
   }
 
   void decode() const {
@@ -1722,12 +1752,13 @@ struct Attention {
     const double work = 3.0 * double(a.bh) * double(a.Lq) * double(span) * double(a.E + a.Ev);
     const int nt = int(min_of<index_t>(threads_for(work, a.nthreads), ntasks));
 
+    const index_t db = decode_db(R);  // (as decode_start sets each run's)
     auto carve_rows = [&](T* base) {
       Rows r;
       r.R = R;
       r.q = base;
       r.s = r.q + R * a.E;
-      r.acc = r.s + R * DB;
+      r.acc = r.s + R * db;
       r.m = r.acc + R * Ev;
       r.l = r.m + R;
       return r;
@@ -1736,7 +1767,7 @@ struct Attention {
     auto keys = [&](index_t g, index_t c) {
       const Problem p = problem(g * a.group);
       const index_t kbeg = lo(p, 0), kend = max_of<index_t>(kbeg, hi(p, a.Lq - 1));
-      const index_t chunk = round_up(ceil_div(kend - kbeg, nchunk), DB);
+      const index_t chunk = round_up(ceil_div(kend - kbeg, nchunk), db);
       const index_t j0 = min_of<index_t>(kend, kbeg + c * chunk), j1 = min_of<index_t>(kend, j0 + chunk);
       return std::pair<index_t, index_t>(j0, j1);
     };
