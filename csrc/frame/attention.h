@@ -1345,12 +1345,13 @@ struct Attention {
   // none, one Zen 5 core streamed at ~70% of its rate for a plain sum; 1 and 2 measured the same
   // (on the Xeon, 4 the same as 2).
   static constexpr index_t PFD = 2;
-  // Grouped half and int8 rows streamed from memory (decode_block's rows L / 4 keys at a time)
-  // take blocks of kWideDB keys, prefetched one block ahead (the same 128 keys): each block's
-  // softmax, rescale and accumulator round trip serve twice the keys. Xeon, AVX-512, one process,
-  // B1 Hq32 Hkv8 Lk32768 D128: int8 1.02-1.05x, float16 1.02-1.04x; paged (B4 L4096, 16-token
-  // blocks) float16 1.03-1.05x, int8 1.00x; AVX2's int8 rows 1.00x. float32 rows keep DB (paged
-  // 0.97x wide, contiguous 0.99-1.00x), and so do single rows (int8 0.94-0.98x wide).
+  // Grouped half and int8 rows read L / 4 keys at a time (decode_block) are read as streamed
+  // from memory, whatever the call's size (decode_db), in blocks of kWideDB keys prefetched one
+  // block ahead (the same 128 keys): each block's softmax, rescale and accumulator round trip
+  // serve twice the keys. Xeon, AVX-512, one process, B1 Hq32 Hkv8 Lk32768 D128: int8
+  // 1.02-1.05x, float16 1.02-1.04x; paged (B4 L4096, 16-token blocks) float16 1.03-1.05x, int8
+  // 1.00x; AVX2's int8 rows 1.00x. float32 rows keep DB (paged 0.97x wide, contiguous
+  // 0.99-1.00x), and so do single rows (int8 0.94-0.98x wide).
   static constexpr index_t kWideDB = 128, kWidePFD = 1;
   static constexpr index_t pfd_of(index_t db) { return db == kWideDB ? kWidePFD : PFD; }
 
@@ -1455,10 +1456,14 @@ struct Attention {
   bool decode_cached() const {
     return double(a.bh / a.group) * double(a.Lk) * double(a.E + a.Ev) * double(sizeof(KV)) <= 16.0 * (1 << 20);
   }
-  // Keys per decode block for R rows: kWideDB where decode_block streams grouped half or int8
-  // rows from memory several keys at a time, else DB.
+  // Keys per decode block for R rows: kWideDB for grouped half or int8 rows that decode_block
+  // reads several keys at a time, else DB. Those rows are read as streamed from memory even where
+  // the call's K/V would fit in cache (decode_cached): a model's other layers pass through the
+  // cache between two steps of one layer. Hq32 Hkv8 Lk4096 D128 (8-16 MiB), one process: from
+  // memory int8 1.36-1.38x faster, float16 1.22x, bfloat16 1.19-1.21x (AVX2 int8 1.33-1.48x); in
+  // cache, called back to back, 0.94-0.98x (AVX2 0.97-1.03x).
   index_t decode_db(index_t R) const {
-    return R > 1 && kHalf && !decode_cached() && (kInt8 || grouped_stream_keys<K>::value) ? kWideDB : DB;
+    return R > 1 && kHalf && (kInt8 || grouped_stream_keys<K>::value) ? kWideDB : DB;
   }
 
   // Starts group g's run over keys [j0, j1) in rows r: q = query * s2, m = -inf, l = 0, acc = 0.
@@ -1540,8 +1545,9 @@ struct Attention {
     Slots* cur = &ring[blk % (PFD + 1)];
     Slots* nxt = &ring[(blk + pfd) % (PFD + 1)];
     if (nb > 0) slots(pg, k1, nb, *nxt);
-    // s[x, j] = q_x . k_j. Streamed from memory (stream_keys, and grouped rows past the cached
-    // size), key rows are read one after the other and prefetched one row per key: this
+    // s[x, j] = q_x . k_j. Streamed from memory (stream_keys, grouped float32 rows past the
+    // cached size, grouped half and int8 rows always: decode_db), key rows are read one after
+    // the other and prefetched one row per key: this
     // block's V (for pv_rows below), and K and V PFD blocks ahead, so that neither stream
     // starts cold at a block boundary.
     // Over K/V that fit in cache, several keys at a time (kernels/x86_simd.h dot_keys: L for
@@ -1598,11 +1604,12 @@ struct Attention {
       // Keys per dot_keys call, their prefetches (streamed) just before it. Streamed half rows
       // asked for 16 keys' rows at once (192 prefetches) ran 1.17-1.35x slower than four keys'
       // (AVX-512, Hq32 Hkv8 Lk32768 D128, one and two threads); int8 rows alike either way.
-      const index_t KG = cached ? 16 : 4;
+      const bool streamed = !cached || db == kWideDB;
+      const index_t KG = streamed ? 4 : 16;
       for (index_t jg = 0; jg < kb; jg += KG) {
         const index_t n = min_of<index_t>(KG, kb - jg);
         for (index_t j = jg; j < jg + n; ++j) {
-          if (!cached) {
+          if (streamed) {
             prefetch_rows(vrow(*cur, j), a.v_rs, 1, Ev);
             if (j < an) {
               prefetch_rows(akrow(j), a.k_rs, 1, E);
