@@ -1345,8 +1345,9 @@ struct Attention {
   // none, one Zen 5 core streamed at ~70% of its rate for a plain sum; 1 and 2 measured the same
   // (on the Xeon, 4 the same as 2).
   static constexpr index_t PFD = 2;
-  // Grouped half and int8 rows read L / 4 keys at a time (decode_block) are read as streamed
-  // from memory, whatever the call's size (decode_db), in blocks of kWideDB keys prefetched one
+  // Grouped int8 rows, and half rows where the kernel set streams grouped rows L / 4 keys at a
+  // time (grouped_stream_keys: AVX-512), are read as streamed from memory, whatever the call's
+  // size (decode_db), in blocks of kWideDB keys prefetched one
   // block ahead (the same 128 keys): each block's softmax, rescale and accumulator round trip
   // serve twice the keys. Xeon, AVX-512, one process, B1 Hq32 Hkv8 Lk32768 D128: int8
   // 1.02-1.05x, float16 1.02-1.04x; paged (B4 L4096, 16-token blocks) float16 1.03-1.05x, int8
@@ -1438,7 +1439,7 @@ struct Attention {
 
   // A decode task's run over keys [j0, j1) of one head group: its rows, where its K/V (and int8
   // scales) start, each row's problem (its head's ALiBi slope, its alignment), and where this
-  // block's keys and those PFD blocks ahead lie (block i's slots at ring[i % (PFD + 1)]: row j
+  // block's keys and those pfd_of(db) blocks ahead lie (block i's slots at ring[i % (PFD + 1)]: row j
   // is row slot[j] of page page[j], page 0 and slot = key for a contiguous cache), stepped
   // through the pages once per block rather than divided out per row.
   struct GroupRun {
@@ -1456,8 +1457,8 @@ struct Attention {
   bool decode_cached() const {
     return double(a.bh / a.group) * double(a.Lk) * double(a.E + a.Ev) * double(sizeof(KV)) <= 16.0 * (1 << 20);
   }
-  // Keys per decode block for R rows: kWideDB for grouped half or int8 rows that decode_block
-  // reads several keys at a time, else DB. Those rows are read as streamed from memory even where
+  // Keys per decode block for R rows: kWideDB for grouped int8 rows, and grouped half rows where
+  // the kernel set says grouped_stream_keys, else DB. Those rows are read as streamed from memory even where
   // the call's K/V would fit in cache (decode_cached): a model's other layers pass through the
   // cache between two steps of one layer. Hq32 Hkv8 Lk4096 D128 (8-16 MiB), one process: from
   // memory int8 1.36-1.38x faster, float16 1.22x, bfloat16 1.19-1.21x (AVX2 int8 1.33-1.48x); in
@@ -1548,10 +1549,11 @@ struct Attention {
     // s[x, j] = q_x . k_j. Streamed from memory (stream_keys, grouped float32 rows past the
     // cached size, grouped half and int8 rows always: decode_db), key rows are read one after
     // the other and prefetched one row per key: this
-    // block's V (for pv_rows below), and K and V PFD blocks ahead, so that neither stream
+    // block's V (for pv_rows below), and K and V pfd_of(db) blocks ahead, so that neither stream
     // starts cold at a block boundary.
-    // Over K/V that fit in cache, several keys at a time (kernels/x86_simd.h dot_keys: L for
-    // one query row, L / 4 for grouped rows), with no software prefetch: from L2/L3 the
+    // Over K/V that fit in cache (other than those read as streamed: decode_db), several keys
+    // at a time (kernels/x86_simd.h dot_keys: L for one query row, L / 4 for grouped rows),
+    // with no software prefetch: from L2/L3 the
     // hardware's keeps up, and the prefetches cost more than they save (grouped rows, Hq4 Hkv1
     // Lk4096 D128, one thread: 23.4 ns a key with them, 16.0 without).
     // Streamed from memory, the key-by-key loop is faster for float rows on the AMD cores timed
@@ -1691,8 +1693,8 @@ struct Attention {
   // max m (log2 units) and sum l per row. Through a paged cache a block's heads lie side by side:
   // block 16 makes one head's rows an 8 KB run, which read one head at a time cost 1.10-1.27x the
   // contiguous cache's time (blocks of 64 rows: 0.99-1.05); eight heads at a time, 1.06-1.13x (B4
-  // Hq32 Hkv8 L4096 D128). Each call prefetches the rows the call PFD later reads (the next
-  // groups' in this block, or the next block's). Each
+  // Hq32 Hkv8 L4096 D128). Each call prefetches the rows the call pfd_of(db) later reads (the
+  // next groups' in this block, or the next block's). Each
   // group prefetching its own block PFD ahead asked PFD x n calls early, and the rows left L2
   // before their turn (1.11-1.21x).
   static constexpr index_t kMaxRun = 8;
