@@ -1679,10 +1679,12 @@ struct Attention {
     decode_start(g, j0, j1, r, u);
     const bool cached = decode_cached();
     const bool stream_keys = decode_stream_keys(cached);
-    if (u.db == kWideDB) {
-      for (index_t k0 = j0, blk = 0; k0 < j1; k0 += kWideDB, ++blk)
-        decode_block<kWideDB>(u, k0, blk, u, blk + kWidePFD, cached, stream_keys);
-      return;
+    if constexpr (kHalf) {  // (decode_db; float32 keeps one instance, inlined here as before)
+      if (u.db == kWideDB) {
+        for (index_t k0 = j0, blk = 0; k0 < j1; k0 += kWideDB, ++blk)
+          decode_block<kWideDB>(u, k0, blk, u, blk + kWidePFD, cached, stream_keys);
+        return;
+      }
     }
     for (index_t k0 = j0, blk = 0; k0 < j1; k0 += DB, ++blk)
       decode_block<DB>(u, k0, blk, u, blk + PFD, cached, stream_keys);
@@ -1716,11 +1718,13 @@ struct Attention {
     for (index_t i = 0; i < n; ++i) decode_start(g0 + i, j0, j1, rs[i], u[i]);
     const bool cached = decode_cached();
     const bool stream_keys = decode_stream_keys(cached);
-    if (u[0].db == kWideDB) {
-      for (index_t k0 = j0, blk = 0; k0 < j1; k0 += kWideDB, ++blk)
-        for (index_t i = 0; i < n; ++i)
-          decode_block<kWideDB>(u[i], k0, blk, u[(i + kWidePFD) % n], blk + (i + kWidePFD) / n, cached, stream_keys);
-      return;
+    if constexpr (kHalf) {
+      if (u[0].db == kWideDB) {
+        for (index_t k0 = j0, blk = 0; k0 < j1; k0 += kWideDB, ++blk)
+          for (index_t i = 0; i < n; ++i)
+            decode_block<kWideDB>(u[i], k0, blk, u[(i + kWidePFD) % n], blk + (i + kWidePFD) / n, cached, stream_keys);
+        return;
+      }
     }
     for (index_t k0 = j0, blk = 0; k0 < j1; k0 += DB, ++blk)
       for (index_t i = 0; i < n; ++i)
