@@ -1449,7 +1449,6 @@ struct Attention {
     const KV *kb0, *vb0;
     const float *ks0, *vs0;   // int8: the scales of key j, addressed through the same slots as its row
     Problem rp[kDecodeRows];  // R = group * Lq <= kDecodeRows on this path (use_decode)
-    index_t db;               // keys per block: DB, or kWideDB (decode_db)
     Slots ring[PFD + 1];
   };
 
@@ -1465,6 +1464,14 @@ struct Attention {
   // cache, called back to back, 0.94-0.98x (AVX2 0.97-1.03x).
   index_t decode_db(index_t R) const {
     return R > 1 && kHalf && (kInt8 || grouped_stream_keys<K>::value) ? kWideDB : DB;
+  }
+  // f(std::integral_constant<index_t, db>) for db = decode_db(R): decode_block's instance for
+  // it (the kWideDB one exists only for half and int8 K/V, the only ones decode_db gives it)
+  template <class F>
+  void with_db(index_t R, F&& f) const {
+    if constexpr (kHalf)
+      if (decode_db(R) == kWideDB) return f(std::integral_constant<index_t, kWideDB>());
+    f(std::integral_constant<index_t, DB>());
   }
 
   // Starts group g's run over keys [j0, j1) in rows r: q = query * s2, m = -inf, l = 0, acc = 0.
@@ -1483,9 +1490,9 @@ struct Attention {
     u.pg = problem(h0);
     u.j0 = j0;
     u.j1 = j1;
-    u.db = decode_db(r.R);
-    for (index_t i = 0; i < pfd_of(u.db) && j0 + i * u.db < j1; ++i)
-      slots(u.pg, j0 + i * u.db, min_of<index_t>(u.db, j1 - j0 - i * u.db), u.ring[i]);
+    const index_t db = decode_db(r.R);
+    for (index_t i = 0; i < pfd_of(db) && j0 + i * db < j1; ++i)
+      slots(u.pg, j0 + i * db, min_of<index_t>(db, j1 - j0 - i * db), u.ring[i]);
     u.kb0 = key + a.koff[u.pg.bh];
     u.vb0 = value + a.voff[u.pg.bh];
     u.ks0 = kInt8 ? a.k_scale + a.ksoff[u.pg.bh] : nullptr;
@@ -1515,12 +1522,12 @@ struct Attention {
   // Key rows of at most two cache lines: the rows decode_stream_keys and decode_block treat apart.
   bool short_key_rows() const { return a.E * index_t(sizeof(KV)) <= 128; }
 
-  // Block blk of run u, keys [k0, k0 + u.db) cut at u.j1; leaves unnormalised acc, running max m
+  // Block blk of run u, keys [k0, k0 + db) cut at u.j1; leaves unnormalised acc, running max m
   // (log2 units) and sum l per row. stream_keys (decode_stream_keys): single rows streamed from
   // memory, prefetched key by key, or several keys at a time with none. The rows prefetched
   // (where they are) are those of block ablk of run ahead: u's own block pfd_of(db) ahead, or
   // (decode_groups) the block read that many calls on.
-  // db (u.db): a constant of each instance, so that the single rows' loops keep the bounds they
+  // db (decode_db): a constant of each instance, so that the single rows' loops keep the bounds they
   // had with one block size (AVX2 int8 rows 1.02-1.04x slower with db read from u).
   template <index_t db>
   PYATTN_PHASE void decode_block(GroupRun& u, index_t k0, index_t blk, const GroupRun& ahead, index_t ablk, bool cached,
@@ -1679,15 +1686,11 @@ struct Attention {
     decode_start(g, j0, j1, r, u);
     const bool cached = decode_cached();
     const bool stream_keys = decode_stream_keys(cached);
-    if constexpr (kHalf) {  // (decode_db; float32 keeps one instance, inlined here as before)
-      if (u.db == kWideDB) {
-        for (index_t k0 = j0, blk = 0; k0 < j1; k0 += kWideDB, ++blk)
-          decode_block<kWideDB>(u, k0, blk, u, blk + kWidePFD, cached, stream_keys);
-        return;
-      }
-    }
-    for (index_t k0 = j0, blk = 0; k0 < j1; k0 += DB, ++blk)
-      decode_block<DB>(u, k0, blk, u, blk + PFD, cached, stream_keys);
+    with_db(r.R, [&](auto c) {
+      constexpr index_t db = decltype(c)::value;
+      for (index_t k0 = j0, blk = 0; k0 < j1; k0 += db, ++blk)
+        decode_block<db>(u, k0, blk, u, blk + pfd_of(db), cached, stream_keys);
+    });
   }
 
   // Runs keys [j0, j1) of head groups [g0, g0 + n) in rows rs[0..n), a block of each group in
@@ -1718,17 +1721,12 @@ struct Attention {
     for (index_t i = 0; i < n; ++i) decode_start(g0 + i, j0, j1, rs[i], u[i]);
     const bool cached = decode_cached();
     const bool stream_keys = decode_stream_keys(cached);
-    if constexpr (kHalf) {
-      if (u[0].db == kWideDB) {
-        for (index_t k0 = j0, blk = 0; k0 < j1; k0 += kWideDB, ++blk)
-          for (index_t i = 0; i < n; ++i)
-            decode_block<kWideDB>(u[i], k0, blk, u[(i + kWidePFD) % n], blk + (i + kWidePFD) / n, cached, stream_keys);
-        return;
-      }
-    }
-    for (index_t k0 = j0, blk = 0; k0 < j1; k0 += DB, ++blk)
-      for (index_t i = 0; i < n; ++i)
-        decode_block<DB>(u[i], k0, blk, u[(i + PFD) % n], blk + (i + PFD) / n, cached, stream_keys);
+    with_db(rs[0].R, [&](auto c) {
+      constexpr index_t db = decltype(c)::value, pfd = pfd_of(db);
+      for (index_t k0 = j0, blk = 0; k0 < j1; k0 += db, ++blk)
+        for (index_t i = 0; i < n; ++i)
+          decode_block<db>(u[i], k0, blk, u[(i + pfd) % n], blk + (i + pfd) / n, cached, stream_keys);
+    });
   }
 
   void decode() const {
