@@ -289,15 +289,22 @@ def _cache_attention(
                     raise ValueError(f"{name} and {name2} share memory; new tokens are written into both")
 
     ragged = counts is not None and new_lens is not None
-    result = np.zeros((B, Hq, Lq, Ev), dtype) if (ragged or out is None) else None
+    # The kernel writes every query row it is given, output and lse (zeros and -inf, or the sink,
+    # where a row sees no key), so only a ragged call, whose rows past new_lens the kernel never
+    # visits, needs its results filled
+    if ragged:
+        alloc = lambda shape, fill: np.full(shape, fill, dtype)  # noqa: E731
+    else:
+        alloc = lambda shape, fill: np.empty(shape, dtype)  # noqa: E731
+    result = alloc((B, Hq, Lq, Ev), 0) if (ragged or out is None) else None
     target = out if result is None else result
     # an out laid out for the kernel (unit last stride, aligned, whole-element strides, no element
     # reached twice through a zero stride: the threads would race on it) and apart from every
     # input, else a temporary copied in
     reads = (q, k_cache, v_cache, k_scale, v_scale, table, slopes, sink) if target is out else ()
     if not writes_in_place(target, *reads):
-        target = np.zeros((B, Hq, Lq, Ev), dtype)
-    lse = np.full((B, Hq, Lq), -np.inf, dtype) if return_lse else None
+        target = alloc((B, Hq, Lq, Ev), 0)
+    lse = alloc((B, Hq, Lq), -np.inf) if return_lse else None
     if counts is not None and any(np.may_share_memory(q, c) for c, _ in written):
         q = np.array(q)  # a query viewing the slots written: the call reads it as it was given
 
