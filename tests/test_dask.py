@@ -633,3 +633,28 @@ def test_nan_value_hidden_only_by_the_mask_reaches_the_output(kc):
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_allclose(got, want, rtol=1e-12, equal_nan=True)
     np.testing.assert_allclose(gl, wl, rtol=1e-12)
+
+
+def test_state_pickles_lse_first():
+    """A state sent between workers carries its lse as the first out-of-band buffer: Dask reads
+    that one into the message's own buffer at an arbitrary offset, the output into one of its own
+    (aligned), so the merge need not copy the output."""
+    import pickle
+
+    out = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)
+    lse = np.linspace(-1.0, 1.0, 6).reshape(2, 3)
+    state = pdask._State((out, lse))
+    buffers = []
+    data = pickle.dumps(state, protocol=5, buffer_callback=buffers.append)
+    assert [b.raw().nbytes for b in buffers] == [lse.nbytes, out.nbytes]
+    back = pickle.loads(data, buffers=buffers)
+    assert isinstance(back, pdask._State)
+    assert back[0].dtype == np.float32 and np.array_equal(back[0], out)
+    assert back[1].dtype == np.float64 and np.array_equal(back[1], lse)
+    # and Dask's own serialisation of a task's result keeps that order
+    from distributed.protocol import deserialize, serialize
+
+    header, frames = serialize(state)
+    assert [memoryview(f).nbytes for f in frames][-2:] == [lse.nbytes, out.nbytes]
+    back = deserialize(header, frames)
+    assert np.array_equal(back[0], out) and np.array_equal(back[1], lse)
