@@ -58,9 +58,10 @@ def merge_attention_states(outputs, lses, *, out=None):
     ``lse * np.log(2)`` first. A state with ``lse_n = -inf`` (no visible key) contributes nothing,
     whatever its output holds; when every state is empty the output is zeros and the lse
     ``-inf``. A state with ``lse_n = +inf`` (a ``+inf`` sink) takes all the weight: the row is its
-    output and the lse ``+inf``, as the call over the union gives (with two such states the row is
-    NaN). NaN propagates. With ``sinks``, give the sinks to one of the calls only: each sink must
-    be counted once in the union.
+    output and the lse ``+inf``, as the call over the union gives (plus 0 times the other states'
+    outputs where their lse is finite, so that their NaN reaches the row; with two such states or
+    a NaN lse the row is NaN). NaN propagates. With ``sinks``, give the sinks to one of the calls
+    only: each sink must be counted once in the union.
 
     The weights and the sum are computed in float64; the results have the promoted dtype of the
     inputs (float32 stays float32, float16 computes as float32). ``out`` receives the output:
@@ -139,18 +140,29 @@ def _merge(outs, ls, lead: tuple, lq: int, ev: int, dtype, out=None):
 
 
 def _infinite_rows(outs, ls, lead: tuple, lq: int, ev: int) -> list:
-    """[(rows, their output)]: rows where one state has lse +inf (a +inf sink, which takes all the
-    weight: zeros and lse +inf) are that state's output, the formula's limit (its exp(inf - inf)
-    is NaN); with two or more such states the weights are undefined and the row stays NaN."""
+    """[(rows, their output)]: where one state has lse +inf (a +inf sink: zeros, lse +inf) it
+    takes all the weight, the formula's limit (its exp(inf - inf) is NaN): the row is its output
+    plus 0 times the output of every state that saw keys (finite lse), so that a NaN there still
+    reaches the row, as in the call over the union. With two or more such states, or a NaN lse,
+    the weights are undefined and the row stays NaN."""
     inf = [np.isposinf(x) for x in ls]
     if not any(x.any() for x in inf):
         return []
-    one = np.broadcast_to(sum(x.astype(np.int64) for x in inf), lead + (lq,)) == 1
+    rows = lead + (lq,)
+    one = np.broadcast_to(sum(x.astype(np.int64) for x in inf), rows) == 1
+    for x in ls:
+        one = one & ~np.isnan(x)
     taken = []
-    for o, x in zip(outs, inf):
+    for n, x in enumerate(inf):
         take = one & x
-        if take.any():
-            taken.append((take, np.broadcast_to(o, lead + (lq, ev))[take]))  # (a copy)
+        if not take.any():
+            continue
+        row = np.broadcast_to(outs[n], rows + (ev,))[take].astype(np.float64)  # (a copy)
+        for m, (o, lm) in enumerate(zip(outs, ls)):
+            seen = np.broadcast_to(np.isfinite(lm), rows)[take]
+            if m != n and seen.any():
+                row += np.where(seen[:, None], 0.0 * np.broadcast_to(o, rows + (ev,))[take], 0.0)
+        taken.append((take, row))
     return taken
 
 

@@ -35,6 +35,7 @@ from ._api import scaled_dot_product_attention as _sdpa
 from ._merge import merge_states_f64
 from ._validate import (
     NO_LIMIT,
+    _broadcast_named,
     alibi_span,
     check_gqa_heads,
     kernel_factors,
@@ -46,6 +47,7 @@ from ._validate import (
 __all__ = ["scaled_dot_product_attention"]
 
 _F64 = np.dtype(np.float64)
+_ONE = "one per query head"  # (the NumPy call's words for a per-head value)
 
 
 # ----------------------------------------------------------------------------- geometry
@@ -222,7 +224,54 @@ def _alibi_one_side(q, k, v, m, d, slopes, kv_lens, p: "_Piece"):
     else:
         mask = m.astype(p.dtype, copy=False) + col
     o, l = _call(q, k, v, mask, _window(n, nk, d, p.L, p.R), None, kv_lens, p)
-    return o, l + row
+    l = l + row
+    if m is not None and m.dtype == np.bool_:
+        _redo_hidden_nan_rows(o, l, q, k, v, m, d, col, row, kv_lens, p)
+    return o, l
+
+
+def _redo_hidden_nan_rows(o, l, q, k, v, m, d, col, row, kv_lens, p: "_Piece"):
+    """A key that the boolean mask hides has its score replaced, as the NumPy call does; the
+    float mask of _alibi_one_side adds -inf instead, so a NaN or infinite score there (from a
+    non-finite query or key) turns the row NaN. Rows that came out NaN (rare) are recomputed
+    one at a time over the keys they see, with the column term as their float mask; a value
+    row the mask alone hides still reaches the output as 0 * value (docs/api.md)."""
+    bad = np.isnan(l) | np.isnan(o).any(axis=-1)
+    if not bad.any():
+        return
+    n, nk = q.shape[-2], k.shape[-2]
+    lead = l.shape[:-1]
+    kv_lead = lead[:-1] + (k.shape[-3],) if p.group > 1 else lead
+    qb = np.broadcast_to(q, lead + q.shape[-2:])
+    kb = np.broadcast_to(k, kv_lead + k.shape[-2:])
+    vb = np.broadcast_to(v, kv_lead + v.shape[-2:])
+    mb = np.broadcast_to(m, lead + (n, nk))
+    cb = np.broadcast_to(col, lead + (1, nk))
+    rb = np.broadcast_to(row, lead + (n,))
+    lens = None if kv_lens is None else np.broadcast_to(kv_lens, lead[:-1])
+    j = np.arange(nk)
+    for pos in zip(*np.nonzero(bad)):
+        idx, i = tuple(int(x) for x in pos[:-1]), int(pos[-1])
+        kidx = idx[:-1] + (idx[-1] // p.group,) if p.group > 1 else idx
+        placed = np.ones(nk, bool)  # the keys the row's position lets it see
+        if p.L is not None:
+            placed &= j >= i + d - p.L
+        if p.R is not None:
+            placed &= j <= i + d + p.R
+        if lens is not None:
+            placed &= j < lens[idx[:-1]]
+        seen = placed & mb[idx + (i,)]
+        if seen.any():
+            ro, rl = _sdpa(
+                qb[idx + (i,)][None], kb[kidx][seen], vb[kidx][seen], cb[idx + (0,)][seen][None],
+                scale=p.scale, softcap=p.softcap, return_lse=True,
+            )  # fmt: skip
+            o[idx + (i,)], l[idx + (i,)] = ro[0], float(rl[0]) + rb[idx + (i,)]
+        else:
+            o[idx + (i,)], l[idx + (i,)] = 0, -np.inf
+        hidden = vb[kidx][placed & ~seen]
+        if hidden.size:
+            o[idx + (i,)][~np.isfinite(hidden).all(axis=0)] = np.nan
 
 
 # ----------------------------------------------------------------------------- tasks
@@ -259,7 +308,13 @@ def _with_sinks(state, sinks, dtype):
     out, lse = state
     zero = np.broadcast_to(np.zeros((), dtype), out.shape)
     sink = np.broadcast_to(np.asarray(sinks, _F64)[..., None], lse.shape)
-    return _merge([(out, lse), (zero, sink)], dtype)
+    merged, mlse = _merge([(out, lse), (zero, sink)], dtype)
+    # A +inf sink takes all the weight; the merge gives its zeros, where the NumPy call gives 0
+    # times the keys' output: NaN where that is NaN (a NaN value, query or score)
+    inf = np.isposinf(sink)
+    if inf.any():
+        merged = np.where(inf[..., None], out * out.dtype.type(0), merged)
+    return merged, mlse
 
 
 def _entry(x, b: tuple):
@@ -559,10 +614,12 @@ def scaled_dot_product_attention(
         scale=scale,
         softcap=softcap, L=L, R=R, dtype=np.dtype(dtype), ev=Ev, group=group,
     )  # fmt: skip
-    slopes = None if alibi_slopes is None else np.broadcast_to(np.asarray(alibi_slopes, _F64), lead)
+    slopes = (
+        None if alibi_slopes is None else _broadcast_named(np.asarray(alibi_slopes, _F64), lead, "alibi_slopes", _ONE)
+    )
     with np.errstate(over="ignore"):  # checked as the blocks' calls take them: in the dtype
         alibi_span(None if slopes is None else slopes.astype(dtype), Lq + Lk, dtype)
-    sink_v = None if sinks is None else np.broadcast_to(np.asarray(sinks, _F64), lead)
+    sink_v = None if sinks is None else _broadcast_named(np.asarray(sinks, _F64), lead, "sinks", _ONE)
     lens = None
     if kv_lens is not None:
         kl = np.asarray(kv_lens).astype(np.int64)

@@ -344,7 +344,8 @@ def merge_attention_states(outputs, lses):
 
     A state with lse_n = -inf (no visible key) contributes nothing; if all are empty the
     output is zeros and lse -inf. A state with lse_n = +inf (a +inf sink) takes all the weight,
-    the formula's limit: its output, lse +inf (two such states: NaN).  Returns (output, lse) in
+    the formula's limit: its output (plus 0 times each other state with a finite lse, so that
+    their NaN stays), lse +inf (two such states, or a NaN lse: NaN).  Returns (output, lse) in
     float64.
     """
     outs = [_f64(o) for o in outputs]
@@ -358,8 +359,13 @@ def merge_attention_states(outputs, lses):
             w = np.exp(x - lse_safe)[..., None]
             out = out + np.where(np.isneginf(x)[..., None], 0.0, w * o)  # empty: contributes nothing
     n_inf = sum(np.isposinf(x).astype(np.int64) for x in ls)
-    for o, x in zip(outs, ls):
-        out = np.where((np.isposinf(x) & (n_inf == 1))[..., None], o, out)
+    any_nan = sum(np.isnan(x).astype(np.int64) for x in ls) > 0
+    for n, (o, x) in enumerate(zip(outs, ls)):
+        # the +inf state's output, plus 0 times every other state that saw keys: their NaN stays
+        others = sum(
+            np.where(np.isfinite(y)[..., None], 0.0 * w, 0.0) for m, (w, y) in enumerate(zip(outs, ls)) if m != n
+        )
+        out = np.where((np.isposinf(x) & (n_inf == 1) & ~any_nan)[..., None], o + others, out)
     return out, lse
 
 

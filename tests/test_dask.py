@@ -55,7 +55,7 @@ def _close(actual, expected, what):
     assert actual.dtype == expected.dtype, (what, actual.dtype, expected.dtype)
     fin = np.isfinite(expected)
     assert np.array_equal(fin, np.isfinite(actual)), f"{what}: non-finite entries differ"
-    assert np.array_equal(actual[~fin], expected[~fin]), f"{what}: -inf/inf entries differ"
+    assert np.array_equal(actual[~fin], expected[~fin], equal_nan=True), f"{what}: -inf/inf/NaN entries differ"
     if fin.any():
         scale = max(np.abs(expected[fin]).max(), 1.0 if what.endswith("lse") else 1e-30)
         err = np.abs(actual[fin] - expected[fin]).max() / scale
@@ -658,3 +658,77 @@ def test_state_pickles_lse_first():
     assert [memoryview(f).nbytes for f in frames][-2:] == [lse.nbytes, out.nbytes]
     back = deserialize(header, frames)
     assert np.array_equal(back[0], out) and np.array_equal(back[1], lse)
+
+
+@pytest.mark.parametrize("kc", [2, 3, 1])
+def test_bool_mask_hides_non_finite_keys_under_alibi(kc):
+    """A key the boolean mask hides has its score replaced (no NaN from a NaN or infinite key),
+    also where a chunk's ALiBi offset is neither top-left nor bottom-right and the chunk's call
+    takes the mask as a float mask of -inf; a value row hidden only by the mask still reaches the
+    output as 0 * value, as in the NumPy call."""
+    rng = np.random.default_rng(0)
+    q = np.abs(rng.standard_normal((2, 2, 6, 8)))
+    k, v = rng.standard_normal((2, 2, 6, 8)), rng.standard_normal((2, 2, 6, 8))
+    k[0, 0, 0] = np.nan
+    k[1, 1, 4] = np.inf
+    v[1, 0, 5, 3] = np.nan
+    mask = np.ones((6, 6), bool)
+    mask[:, 0] = False  # the NaN key, hidden from every query
+    mask[1:, 4] = False  # the inf key, seen by query 0 only
+    mask[2, 5] = False  # the NaN value, hidden from query 2 only
+    mask[3, :] = False  # query 3 sees no key
+    kw = dict(alibi_slopes=np.array([0.5, 0.25]), return_lse=True)
+    want = pyattn.scaled_dot_product_attention(q, k, v, mask, **kw)
+    assert not np.isnan(want[0][0, 0]).any() and np.isnan(want[0][1, 0, 2, 3])
+    for variant in ({}, dict(is_causal=True), dict(window=(2, 1))):
+        want = pyattn.scaled_dot_product_attention(q, k, v, mask, **kw, **variant)
+        with dask.config.set(scheduler="synchronous"):
+            got = pdask.scaled_dot_product_attention(
+                da.from_array(q, chunks=(1, 2, 2, 8)), da.from_array(k, chunks=(1, 2, kc, 8)),
+                da.from_array(v, chunks=(1, 2, kc, 8)), mask, **kw, **variant,
+            )  # fmt: skip
+            got = dask.compute(*got)
+        _close(got[0], want[0], f"{variant} output")
+        _close(got[1], want[1], f"{variant} lse")
+
+
+def test_infinite_sink_keeps_the_keys_nan():
+    """With a +inf sink the NumPy call's output is 0 times the keys' output: NaN where that is
+    NaN (a NaN value, query or score); the merge with the sink's state must keep it."""
+    rng = np.random.default_rng(0)
+    q = np.abs(rng.standard_normal((1, 2, 4, 4)))
+    k, v = rng.standard_normal((1, 2, 5, 4)), rng.standard_normal((1, 2, 5, 4))
+    v[0, 0, 1, 0] = np.nan
+    k[0, 1, 3] = np.inf
+    q[0, 1, 2, 1] = np.nan
+    kw = dict(sinks=np.array([np.inf, np.inf]), return_lse=True)
+    want = pyattn.scaled_dot_product_attention(q, k, v, **kw)
+    assert np.isnan(want[0][0, 0, :, 0]).all() and np.isnan(want[0][0, 1]).all()
+    for kc in (5, 2):
+        with dask.config.set(scheduler="synchronous"):
+            got = pdask.scaled_dot_product_attention(
+                da.from_array(q, chunks=(1, 2, 2, 4)), da.from_array(k, chunks=(1, 2, kc, 4)),
+                da.from_array(v, chunks=(1, 2, kc, 4)), **kw,
+            )  # fmt: skip
+            got = dask.compute(*got)
+        _close(got[0], want[0], f"kc {kc} output")
+        _close(got[1], want[1], f"kc {kc} lse")
+
+
+@pytest.mark.parametrize("shape", [(1,), ()])
+def test_per_head_values_without_a_head_axis(shape):
+    """2-D inputs (no head axis): one ALiBi slope or sink given as shape (1,) or (), as the NumPy
+    call takes them; a wrong length is refused naming the argument."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((6, 4)).astype(np.float32) for _ in range(3))
+    for name, value in (("alibi_slopes", 0.3), ("sinks", 0.5)):
+        kw = {name: np.full(shape, value)}
+        want = pyattn.scaled_dot_product_attention(q, k, v, **kw)
+        with dask.config.set(scheduler="synchronous"):
+            got = pdask.scaled_dot_product_attention(*(da.from_array(x, chunks=(3, 4)) for x in (q, k, v)), **kw)
+            got = got.compute()
+        _close(got, want, name)
+        with pytest.raises(ValueError, match=name):
+            pdask.scaled_dot_product_attention(
+                *(da.from_array(x, chunks=(3, 4)) for x in (q, k, v)), **{name: np.ones(2)}
+            )

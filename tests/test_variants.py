@@ -691,6 +691,38 @@ def test_merge_of_a_shard_with_an_infinite_sink(isa, rng, dtype):
     np.testing.assert_allclose(lse[1], whole_lse[1], rtol=tol)
 
 
+def test_merge_inf_lse_keeps_the_other_states_nan(isa, rng):
+    """Beside a +inf state, another state that saw keys (finite lse) adds 0 times its output: its
+    NaN reaches the row, as in the call over the union (a +inf sink and a NaN value in another
+    shard); an empty state's NaN does not; a NaN lse beside the +inf one leaves the row NaN. The
+    reference agrees."""
+    outs, lses = random_states(rng, 3, (1,), 4, 3, p_empty=0.0)
+    lses[0, 0, :] = np.inf
+    outs[1, 0, 0, 1] = np.nan  # row 0: a NaN in a state that saw keys
+    lses[2, 0, 1], outs[2, 0, 1, 0] = -np.inf, np.nan  # row 1: a NaN in an empty state
+    lses[1, 0, 2] = np.nan  # row 2: a NaN lse
+    o, l = merge(outs, lses)
+    with np.errstate(invalid="ignore"):
+        want_o, want_l = reference.merge_attention_states(outs, lses)
+    for got in (o, want_o):
+        np.testing.assert_array_equal(np.isnan(got[0, 0]), [False, True, False])
+        np.testing.assert_array_equal(got[0, 0, [0, 2]], outs[0, 0, 0, [0, 2]])
+        np.testing.assert_array_equal(got[0, 1], outs[0, 0, 1])
+        assert np.isnan(got[0, 2]).all()
+        np.testing.assert_array_equal(got[0, 3], outs[0, 0, 3])
+    np.testing.assert_array_equal(l, want_l)
+    # the same through the calls: keys in two shards, the +inf sink in one, a NaN value in the other
+    q, k, v = randn(rng, (2, 3, 8), np.float32), randn(rng, (2, 10, 8), np.float32), randn(rng, (2, 10, 4), np.float32)
+    v[:, 7, 2] = np.nan
+    sinks = np.array([np.inf, 0.5])
+    whole = pyattn.scaled_dot_product_attention(q, k, v, sinks=sinks)
+    a = pyattn.scaled_dot_product_attention(q, k[:, :4], v[:, :4], sinks=sinks, return_lse=True)
+    b = pyattn.scaled_dot_product_attention(q, k[:, 4:], v[:, 4:], return_lse=True)
+    merged, _ = pyattn.merge_attention_states([a[0], b[0]], [a[1], b[1]])
+    np.testing.assert_array_equal(np.isnan(merged), np.isnan(whole))
+    assert np.isnan(whole[0, :, 2]).all()
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_merge_threads_and_f64_lse(dtype, isa, rng):
     """Enough rows for the core to use both threads: 1 and 2 threads give identical results; the
