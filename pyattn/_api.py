@@ -196,7 +196,8 @@ def scaled_dot_product_attention(
         if Lk == 0:
             if lse is not None:  # no key: the sink alone, or -inf (taken before out, which may share its memory)
                 lse[...] = -np.inf if sink is None else sink.reshape(lead + (1,))
-            result[...] = 0
+            # 0 / (the sink's exp), as where keys exist but none is seen: NaN with a NaN sink
+            result[...] = 0 if sink is None else np.where(np.isnan(sink).reshape(lead + (1, 1)), np.nan, 0)
         else:
             target = result if writes_in_place(result, q, k, v, m, slopes, sink, lens) else np.empty(out_shape, dtype)
             kv_dtype = k.dtype if kv_type else dtype

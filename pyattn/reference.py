@@ -307,6 +307,8 @@ def scaled_dot_product_attention(
     sink = None if sinks is None else _per_head(sinks, "sinks", lead)[..., None, None]
     weights, lse = _softmax_rows(scores, axis=-1, sink=sink)
     out = np.matmul(weights, v)  # (..., Lq, Ev); Lk = 0 gives zeros
+    if lk == 0 and sink is not None:  # 0 / exp(sink), as where keys exist but none is seen
+        out = np.where(np.isnan(lse)[..., None], np.nan, out)
     if (is_causal or window is not None) and not np.isfinite(v).all():
         out = _hidden_values_left_out(weights, v, visible, out)
 

@@ -184,6 +184,45 @@ def test_paged_bit_identical_to_contiguous(isa, cdt, rng):
             assert np.array_equal(lse, lsec), f"{layout}: lse of call {i} differs from the contiguous cache's"
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("hq, hkv", [(2, 2), (4, 2)])
+def test_paged_short_prefill_bit_identical(isa, dtype, hq, hkv, rng):
+    """Short chunks over short caches (at most 128 keys, a causal edge: the kernels' row-per-query
+    path) give the same bits on paged caches as on a contiguous one: the paged blocks are copied
+    into the task's K^T and V copy (the contiguous cache took that path and the paged one the
+    panels', whose sums differ in the last bit)."""
+    E = 16
+    k, v = randn(rng, (1, hkv, 128, E), dtype), randn(rng, (1, hkv, 128, E), dtype)
+    variants = [{}, {"window": (6, None)}, {"sinks": np.linspace(-1, 1, hq)}]
+    variants.append({"alibi_slopes": 2.0 ** -np.arange(1, hq + 1)})
+    for bs in (16, 5):
+        n = 128 // bs + 1
+        order = rng.permutation(n)  # blocks out of order in the pool
+        pool_k, pool_v = np.zeros((n, hkv, bs, E), dtype), np.zeros((n, hkv, bs, E), dtype)
+        for b in range(n):
+            s0 = b * bs
+            m = max(0, min(bs, 128 - s0))
+            pool_k[order[b], :, :m], pool_v[order[b], :, :m] = k[0, :, s0 : s0 + m], v[0, :, s0 : s0 + m]
+        table = order.astype(np.int32)[None]
+        for lq, lens in ((9, 3), (40, 50), (5, 0), (32, 96)):
+            q = randn(rng, (1, hq, lq, E), dtype)
+            for kw in variants:
+                for new in (False, True):
+                    extra = {}
+                    if new:
+                        kn, vn = randn(rng, (1, hkv, lq, E), dtype), randn(rng, (1, hkv, lq, E), dtype)
+                        extra = dict(k_new=kn, v_new=vn)
+                        if lens + lq > 128:
+                            continue
+                    kc, vc, pk, pv = k.copy(), v.copy(), pool_k.copy(), pool_v.copy()
+                    kw2 = dict(return_lse=True, **kw, **extra)
+                    oc, lc = pyattn.kvcache_attention(q, kc, vc, [lens], **kw2)
+                    op, lp = pyattn.kvcache_attention(q, pk, pv, [lens], block_table=table, **kw2)
+                    what = f"block {bs}, Lq {lq}, {lens} cached, {kw}, k_new {new}"
+                    assert oc.tobytes() == op.tobytes(), what
+                    assert lc.tobytes() == lp.tobytes(), what
+
+
 # ------------------------------------------------------------------------------------------------
 # 3. kvcache_attention directly: hand-made caches, float64
 

@@ -1111,6 +1111,36 @@ def test_no_visible_key_with_a_sink_of_subnormal_weight(dtype, lq, isa):
     assert not o.any()
 
 
+@pytest.mark.parametrize("lq", [1, 9, 40])  # the decode rows, the short prefill's rows, the panels
+def test_nan_sink_makes_every_row_nan(lq, isa, rng):
+    """A NaN sink makes its head's rows NaN, output and lse, also a row that sees no key: the
+    short prefill's rows wrote zeros there for a tile in which no row saw a key, NaN where one
+    did, so paged and contiguous caches, Lq and the kernel set gave different rows. Lk = 0 and
+    the reference agree."""
+    E = 16
+    k, v = randn(rng, (1, 2, 64, E), np.float32), randn(rng, (1, 2, 64, E), np.float32)
+    q = randn(rng, (1, 2, lq, E), np.float32)
+    sinks = np.array([np.nan, 0.5], np.float32)
+    kp = np.ascontiguousarray(k[0].reshape(2, 4, 16, E).transpose(1, 0, 2, 3))  # the same tokens, paged
+    vp = np.ascontiguousarray(v[0].reshape(2, 4, 16, E).transpose(1, 0, 2, 3))
+    table = np.arange(4, dtype=np.int32)[None]
+    for lens in (0, 3):
+        oc, lc = pyattn.kvcache_attention(q, k, v, [lens], sinks=sinks, return_lse=True)
+        op, lp = pyattn.kvcache_attention(q, kp, vp, [lens], block_table=table, sinks=sinks, return_lse=True)
+        assert oc.tobytes() == op.tobytes() and lc.tobytes() == lp.tobytes()
+        assert np.isnan(oc[0, 0]).all() and np.isnan(lc[0, 0]).all()
+        assert np.isfinite(oc[0, 1]).all()
+    for kw in (dict(kv_lens=np.array([0])), dict(attn_mask=np.zeros((lq, 64), bool)), {}):
+        got = sdpa(q, k, v, sinks=sinks, return_lse=True, **kw)
+        assert np.isnan(got[0][0, 0]).all() and np.isnan(got[1][0, 0]).all(), kw
+        with np.errstate(invalid="ignore"):
+            want = reference.scaled_dot_product_attention(q, k, v, sinks=sinks, return_lse=True, **kw)
+        assert np.isnan(want[0][0, 0]).all() and np.isnan(want[1][0, 0]).all(), kw
+    for f in (sdpa, reference.scaled_dot_product_attention):  # no key at all
+        o, lse = f(q, k[:, :, :0], v[:, :, :0], sinks=sinks, return_lse=True)
+        assert np.isnan(o[0, 0]).all() and np.isnan(lse[0, 0]).all() and not o[0, 1].any()
+
+
 @dtype_param
 def test_sdpa_softcap_limits(dtype, rng):
     """The cap is held in log2 units in the computation's dtype: past its largest float it is

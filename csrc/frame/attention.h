@@ -1211,13 +1211,17 @@ struct Attention {
   static constexpr index_t kRowsMaxQueries = 256;
   static bool use_rows(const AttnArgs& args) {
     const bool edge = args.causal || args.win_left < kNoLimit || args.win_right < kNoLimit;
-    return edge && !args.block_table && !args.q_lens && args.Lk <= kRowsMaxKeys && args.Lq <= kRowsMaxQueries &&
-           args.Ev % VL == 0 && !gathers_rows(args, args.k_rs, args.E) && !gathers_rows(args, args.v_rs, args.Ev);
+    // A paged cache's blocks are copied into the task's K^T and a V copy, so that a paged cache
+    // gives the bits of a contiguous one (docs/api.md).
+    const bool rows_ok =
+        args.block_table ? !kHalf : !gathers_rows(args, args.k_rs, args.E) && !gathers_rows(args, args.v_rs, args.Ev);
+    return edge && !args.q_lens && args.Lk <= kRowsMaxKeys && args.Lq <= kRowsMaxQueries && args.Ev % VL == 0 &&
+           rows_ok;
   }
 
   // Query rows [i0, i1) of the `group` heads from h0 (one K/V): see above. kt and s are the
   // task's scratch, E x ldk and MR x ldk. Float K/V only (run).
-  PYATTN_PHASE void rows_task(index_t h0, index_t i0, index_t i1, T* kt, T* s, index_t ldk) const {
+  PYATTN_PHASE void rows_task(index_t h0, index_t i0, index_t i1, T* kt, T* s, T* vcopy, index_t ldk) const {
     const index_t E = a.E, Ev = a.Ev;
     index_t kp0 = kNoLimit, kp1 = 0;  // the keys some row may see, from a whole vector
     for (index_t x = 0; x < a.group; ++x) {
@@ -1225,13 +1229,26 @@ struct Attention {
       kp0 = min_of<index_t>(kp0, lo(p, i0) / VL * VL);
       kp1 = max_of<index_t>(kp1, hi(p, i1 - 1));
     }
+    // V row j at vb + (j - v0) * vrs: in place, or (paged) rows [kp0, kp1) copied, run by run
+    const T* vb = value + a.voff[h0];
+    index_t v0 = 0, vrs = a.v_rs;
     if (kp1 > kp0) {
       const index_t nk = kp1 - kp0;
-      K::transpose(key + a.koff[h0] + kp0 * a.k_rs, a.k_rs, nk, E, kt, ldk, UniformScale<T>{s2});
+      if (!a.block_table) {
+        K::transpose(key + a.koff[h0] + kp0 * a.k_rs, a.k_rs, nk, E, kt, ldk, UniformScale<T>{s2});
+      } else {
+        const Problem p = problem(h0);
+        for (index_t j = kp0; j < kp1;) {
+          const index_t m = min_of<index_t>(kp1 - j, run(j));
+          K::transpose(key_row(p, j), a.k_rs, m, E, kt + (j - kp0), ldk, UniformScale<T>{s2});
+          for (index_t r = 0; r < m; ++r) std::copy_n(value_row(p, j + r), Ev, vcopy + (j + r - kp0) * Ev);
+          j += m;
+        }
+        vb = vcopy, v0 = kp0, vrs = Ev;
+      }
       for (index_t e = 0; e < E; ++e)  // the last vector's padding: read, never stored
         for (index_t j = nk; j < round_up(nk, VL); ++j) kt[e * ldk + j] = T(0);
     }
-    const T* vb = value + a.voff[h0];
     for (index_t x = 0; x < a.group; ++x) {
       const index_t h = h0 + x;
       const Problem p = problem(h);
@@ -1247,19 +1264,19 @@ struct Attention {
         softmax_rows(p, r0, mr, c0, n, nv, s, ldk, inv);
         // Keys that some rows see and others do not have P = 0 in those rows; a value row there
         // that is not finite (0 * inf = NaN) sends each row its own way.
-        const bool whole = ch <= cl || edge_values_finite(p, r0, r0 + mr - 1, cl, ch - cl, vb + cl * a.v_rs, a.v_rs);
+        const bool whole = ch <= cl || edge_values_finite(p, r0, r0 + mr - 1, cl, ch - cl, vb + (cl - v0) * vrs, vrs);
         for (int r = 0; r < (whole ? 1 : mr); ++r) {
           const index_t jl = whole ? cl : lo(p, r0 + r), jh = whole ? ch : hi(p, r0 + r);
           const int rows = whole ? mr : 1;
           T* orow = out + a.ooff[h] + (r0 + r) * a.o_rs;
-          if (jh <= jl) {  // no key for these rows
+          if (jh <= jl) {  // no key for these rows: 0 * inv, as the panels' acc / l (NaN with a NaN sink)
             for (int x = 0; x < rows; ++x)
-              for (index_t d = 0; d < Ev; ++d) orow[x * a.o_rs + d] = T(0);
+              for (index_t d = 0; d < Ev; ++d) orow[x * a.o_rs + d] = T(0) * inv[r + x];
             continue;
           }
           for (index_t d0 = 0; d0 < Ev; d0 += NR)
-            rows_ukernel<K>::call(rows, jh - jl, s + r * ldk + (jl - c0), ldk, index_t(1), vb + jl * a.v_rs + d0,
-                                  a.v_rs, orow + d0, a.o_rs, int(min_of<index_t>(NR, Ev - d0)), false);
+            rows_ukernel<K>::call(rows, jh - jl, s + r * ldk + (jl - c0), ldk, index_t(1), vb + (jl - v0) * vrs + d0,
+                                  vrs, orow + d0, a.o_rs, int(min_of<index_t>(NR, Ev - d0)), false);
           if (!rows_normalise_p())  // out = (P V) / l, as the panels' acc / l
             for (int x = 0; x < rows; ++x) {
               T* ox = orow + x * a.o_rs;
@@ -1328,12 +1345,14 @@ struct Attention {
     const index_t ntasks = ng * nchunk, ldk = round_up(a.Lk, VL) + VL;
     const double work = double(a.bh) * double(a.Lq) * double(a.Lk) * double(a.E + a.Ev);
     const int nt = int(min_of<index_t>(threads_for(work, a.nthreads), ntasks));
+    const index_t vcopy = a.block_table ? a.Ev : 0;  // (a paged cache's V rows, ldk of them)
     team(
-        nt, [&] { return static_cast<T*>(scratch(0, std::size_t(a.E + MR) * std::size_t(ldk) * sizeof(T))); },
+        nt, [&] { return static_cast<T*>(scratch(0, std::size_t(a.E + MR + vcopy) * std::size_t(ldk) * sizeof(T))); },
         [&](T* kt, const Team& tm) {
           tm.for_each(ntasks, nchunk > 1, [&](index_t t) {
             const index_t g = t / nchunk, i0 = (nchunk - 1 - t % nchunk) * rows;  // the last rows first
-            rows_task(g * a.group, i0, min_of<index_t>(a.Lq, i0 + rows), kt, kt + a.E * ldk, ldk);
+            rows_task(g * a.group, i0, min_of<index_t>(a.Lq, i0 + rows), kt, kt + a.E * ldk, kt + (a.E + MR) * ldk,
+                      ldk);
           });
         });
   }
