@@ -223,6 +223,26 @@ def test_paged_short_prefill_bit_identical(isa, dtype, hq, hkv, rng):
                     assert lc.tobytes() == lp.tobytes(), what
 
 
+def test_paged_short_prefill_bit_identical_rows_4k_apart(isa, rng):
+    """Caches viewed as (B, L, H, D) whose token rows lie 4 KiB apart (H8 D128 float32), which
+    the kernels copy before use: the paged one (blocks viewed as (n, bs, H, D)) gives the
+    contiguous one's bits on a short causal chunk (the paged one took the row path, the
+    contiguous one the panels)."""
+    H, E, L, Lq, Lmax, bs = 8, 128, 100, 24, 128, 16
+    k, v = randn(rng, (1, H, L, E), np.float32), randn(rng, (1, H, L, E), np.float32)
+    q = randn(rng, (1, H, Lq, E), np.float32)
+    kt, vt = (np.zeros((1, Lmax, H, E), np.float32).transpose(0, 2, 1, 3) for _ in range(2))
+    kt[:, :, :L], vt[:, :, :L] = k, v
+    kp, vp = (np.zeros((Lmax // bs, bs, H, E), np.float32).transpose(0, 2, 1, 3) for _ in range(2))
+    for j in range(L):
+        kp[j // bs, :, j % bs], vp[j // bs, :, j % bs] = k[0, :, j], v[0, :, j]
+    table = np.arange(Lmax // bs, dtype=np.int32)[None]
+    for kw in ({}, {"is_causal": False}, {"window": (30, 0)}):
+        oc, lc = pyattn.kvcache_attention(q, kt, vt, [L], return_lse=True, **kw)
+        op, lp = pyattn.kvcache_attention(q, kp, vp, [L], block_table=table, return_lse=True, **kw)
+        assert oc.tobytes() == op.tobytes() and lc.tobytes() == lp.tobytes(), kw
+
+
 # ------------------------------------------------------------------------------------------------
 # 3. kvcache_attention directly: hand-made caches, float64
 

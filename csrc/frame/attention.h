@@ -362,8 +362,9 @@ struct Attention {
   // 1.22 / 1.08. Rows 2 KiB apart (H8 D64) lost 1-4% copied, and contiguous rows 0-3%: those stay
   // in place.
   static bool gathers_rows(const AttnArgs& args, index_t rs, index_t n) {
-    return kHalf || args.block_table != nullptr || (rs != n && (rs * index_t(sizeof(KV))) % 4096 == 0);
+    return kHalf || args.block_table != nullptr || page_apart(rs, n);
   }
+  static bool page_apart(index_t rs, index_t n) { return rs != n && (rs * index_t(sizeof(KV))) % 4096 == 0; }
   bool gathers() const { return gather_k || gather_v; }
 
   // Whether a prefill may copy float K/V rows, rs apart, into a contiguous copy of a problem's
@@ -1211,10 +1212,10 @@ struct Attention {
   static constexpr index_t kRowsMaxQueries = 256;
   static bool use_rows(const AttnArgs& args) {
     const bool edge = args.causal || args.win_left < kNoLimit || args.win_right < kNoLimit;
-    // A paged cache's blocks are copied into the task's K^T and a V copy, so that a paged cache
+    // Float rows in place, or a paged cache's rows copied into the task's K^T and a V copy: the
+    // same rows (and row strides) take the same path whatever the layout, so that a paged cache
     // gives the bits of a contiguous one (docs/api.md).
-    const bool rows_ok =
-        args.block_table ? !kHalf : !gathers_rows(args, args.k_rs, args.E) && !gathers_rows(args, args.v_rs, args.Ev);
+    const bool rows_ok = !kHalf && !page_apart(args.k_rs, args.E) && !page_apart(args.v_rs, args.Ev);
     return edge && !args.q_lens && args.Lk <= kRowsMaxKeys && args.Lq <= kRowsMaxQueries && args.Ev % VL == 0 &&
            rows_ok;
   }
