@@ -126,7 +126,8 @@ def _merge(states, dtype):
     the outputs (to the computation's dtype)."""
     if len(states) == 1:
         return states[0]
-    # (a state of lse +inf, a +inf sink, takes all the weight there as in the NumPy function)
+    # (a state of lse +inf, a +inf sink, takes all the weight there as in the NumPy function,
+    # plus 0 times the other states' outputs, so that their NaN stays)
     out, lse = merge_states_f64([s[0] for s in states], [np.asarray(s[1]) for s in states], dtype)
     # A row that saw no key of a block (lse -inf) adds nothing, except the NaN of a value row that
     # only attn_mask hid from it (0 * NaN): the NumPy function's output holds that NaN, and so
@@ -308,13 +309,7 @@ def _with_sinks(state, sinks, dtype):
     out, lse = state
     zero = np.broadcast_to(np.zeros((), dtype), out.shape)
     sink = np.broadcast_to(np.asarray(sinks, _F64)[..., None], lse.shape)
-    merged, mlse = _merge([(out, lse), (zero, sink)], dtype)
-    # A +inf sink takes all the weight; the merge gives its zeros, where the NumPy call gives 0
-    # times the keys' output: NaN where that is NaN (a NaN value, query or score)
-    inf = np.isposinf(sink)
-    if inf.any():
-        merged = np.where(inf[..., None], out * out.dtype.type(0), merged)
-    return merged, mlse
+    return _merge([(out, lse), (zero, sink)], dtype)
 
 
 def _entry(x, b: tuple):
