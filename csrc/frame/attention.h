@@ -1230,23 +1230,21 @@ struct Attention {
       kp0 = min_of<index_t>(kp0, lo(p, i0) / VL * VL);
       kp1 = max_of<index_t>(kp1, hi(p, i1 - 1));
     }
-    // V row j at vb + (j - v0) * vrs: in place, or (paged) rows [kp0, kp1) copied, run by run
+    // K^T run by run (a contiguous cache is one run); V row j at vb + (j - v0) * vrs: in place,
+    // or (paged) rows [kp0, kp1) copied
     const T* vb = value + a.voff[h0];
     index_t v0 = 0, vrs = a.v_rs;
     if (kp1 > kp0) {
       const index_t nk = kp1 - kp0;
-      if (!a.block_table) {
-        K::transpose(key + a.koff[h0] + kp0 * a.k_rs, a.k_rs, nk, E, kt, ldk, UniformScale<T>{s2});
-      } else {
-        const Problem p = problem(h0);
-        for (index_t j = kp0; j < kp1;) {
-          const index_t m = min_of<index_t>(kp1 - j, run(j));
-          K::transpose(key_row(p, j), a.k_rs, m, E, kt + (j - kp0), ldk, UniformScale<T>{s2});
+      const Problem p = problem(h0);
+      for (index_t j = kp0; j < kp1;) {
+        const index_t m = min_of<index_t>(kp1 - j, run(j));
+        K::transpose(key_row(p, j), a.k_rs, m, E, kt + (j - kp0), ldk, UniformScale<T>{s2});
+        if (a.block_table)
           for (index_t r = 0; r < m; ++r) std::copy_n(value_row(p, j + r), Ev, vcopy + (j + r - kp0) * Ev);
-          j += m;
-        }
-        vb = vcopy, v0 = kp0, vrs = Ev;
+        j += m;
       }
+      if (a.block_table) vb = vcopy, v0 = kp0, vrs = Ev;
       for (index_t e = 0; e < E; ++e)  // the last vector's padding: read, never stored
         for (index_t j = nk; j < round_up(nk, VL); ++j) kt[e * ldk + j] = T(0);
     }
