@@ -289,13 +289,13 @@ def _cache_attention(
                     raise ValueError(f"{name} and {name2} share memory; new tokens are written into both")
 
     ragged = counts is not None and new_lens is not None
+
     # The kernel writes every query row it is given, output and lse (zeros and -inf, or the sink,
     # where a row sees no key), so only a ragged call, whose rows past new_lens the kernel never
     # visits, needs its results filled
-    if ragged:
-        alloc = lambda shape, fill: np.full(shape, fill, dtype)  # noqa: E731
-    else:
-        alloc = lambda shape, fill: np.empty(shape, dtype)  # noqa: E731
+    def alloc(shape, fill):
+        return np.full(shape, fill, dtype) if ragged else np.empty(shape, dtype)
+
     result = alloc((B, Hq, Lq, Ev), 0) if (ragged or out is None) else None
     target = out if result is None else result
     # an out laid out for the kernel (unit last stride, aligned, whole-element strides, no element

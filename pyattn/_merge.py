@@ -159,8 +159,10 @@ def _infinite_rows(outs, ls, lead: tuple, lq: int, ev: int) -> list:
             continue
         row = np.broadcast_to(outs[n], rows + (ev,))[take].astype(np.float64)  # (a copy)
         for m, (o, lm) in enumerate(zip(outs, ls)):
+            if m == n:
+                continue
             seen = np.broadcast_to(np.isfinite(lm), rows)[take]
-            if m != n and seen.any():
+            if seen.any():
                 row += np.where(seen[:, None], 0.0 * np.broadcast_to(o, rows + (ev,))[take], 0.0)
         taken.append((take, row))
     return taken
