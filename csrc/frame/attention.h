@@ -1635,8 +1635,15 @@ struct Attention {
       const index_t KG = streamed ? 4 : 16;
       for (index_t jg = 0; jg < kb; jg += KG) {
         const index_t n = min_of<index_t>(KG, kb - jg);
-        for (index_t j = jg; j < jg + n; ++j) {
-          if (streamed) {
+        if (streamed && !a.block_table) {  // a contiguous cache: runs of rows, key * rs on
+          const index_t ak = ahead.j0 + ablk * db + jg, m = min_of<index_t>(n, an - jg);
+          prefetch_rows(vb0 + (k0 + jg) * a.v_rs, a.v_rs, n, Ev);
+          if (m > 0) {
+            prefetch_rows(ahead.kb0 + ak * a.k_rs, a.k_rs, m, E);
+            prefetch_rows(ahead.vb0 + ak * a.v_rs, a.v_rs, m, Ev);
+          }
+        } else if (streamed) {
+          for (index_t j = jg; j < jg + n; ++j) {
             prefetch_rows(vrow(*cur, j), a.v_rs, 1, Ev);
             if (j < an) {
               prefetch_rows(akrow(j), a.k_rs, 1, E);
