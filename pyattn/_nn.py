@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from ._api import matmul, scaled_dot_product_attention, softmax
-from ._validate import broadcast_lead, compute_dtype, float_array, positive_int
+from ._validate import as_array, broadcast_lead, compute_dtype, float_array, is_float_dtype, positive_int
 
 __all__ = [
     "multi_head_attention",
@@ -35,8 +35,8 @@ def _mha_mask(attn_mask, key_padding_mask, B, H, Lq, Lk, dtype):
     """One mask broadcastable to (B, H, Lq, Lk) from attn_mask and key_padding_mask."""
     mask = None
     if attn_mask is not None:
-        mask = np.asarray(attn_mask)
-        if mask.dtype != np.bool_ and mask.dtype.kind != "f":
+        mask = as_array(attn_mask, "attn_mask")
+        if mask.dtype != np.bool_ and not is_float_dtype(mask.dtype):
             raise TypeError(f"attn_mask must be a bool or float array; got dtype {mask.dtype}")
         if mask.ndim == 3 and mask.shape[0] == B * H and B * H != 1 and mask.shape[1:] == (Lq, Lk):
             mask = mask.reshape(B, H, Lq, Lk)  # torch's (B*num_heads, Lq, Lk) layout
@@ -48,7 +48,7 @@ def _mha_mask(attn_mask, key_padding_mask, B, H, Lq, Lk, dtype):
                 f"or {(B * H, Lq, Lk)}"
             ) from None
     if key_padding_mask is not None:
-        kpm = np.asarray(key_padding_mask)
+        kpm = as_array(key_padding_mask, "key_padding_mask")
         if kpm.shape != (B, Lk):
             raise ValueError(f"key_padding_mask has shape {kpm.shape}; expected (batch, Lk) = {(B, Lk)}")
         if kpm.dtype == np.bool_:
@@ -57,7 +57,7 @@ def _mha_mask(attn_mask, key_padding_mask, B, H, Lq, Lk, dtype):
                 mask = keep if mask is None else (mask & keep)
             else:
                 mask = mask + np.where(kpm, -np.inf, 0.0).astype(dtype)[:, None, None, :]
-        elif kpm.dtype.kind == "f":  # additive padding mask, as torch accepts
+        elif is_float_dtype(kpm.dtype):  # additive padding mask, as torch accepts
             add = kpm.astype(dtype)[:, None, None, :]
             if mask is None:
                 mask = add
@@ -127,7 +127,13 @@ def multi_head_attention(
     if unbatched:
         q_in, k_in, v_in = q_in[None], k_in[None], v_in[None]
         if key_padding_mask is not None:
-            key_padding_mask = np.asarray(key_padding_mask)[None]
+            key_padding_mask = as_array(key_padding_mask, "key_padding_mask")
+            if key_padding_mask.shape != k_in.shape[1:2]:  # (checked here: its shape as given)
+                raise ValueError(
+                    f"key_padding_mask has shape {key_padding_mask.shape}; expected (Lk,) = {k_in.shape[1:2]} "
+                    "for unbatched inputs"
+                )
+            key_padding_mask = key_padding_mask[None]
     ws = [float_array(w, n) for w, n in ((w_q, "w_q"), (w_k, "w_k"), (w_v, "w_v"), (w_o, "w_o"))]
     bs = [None if b is None else float_array(b, n) for b, n in ((b_q, "b_q"), (b_k, "b_k"), (b_v, "b_v"), (b_o, "b_o"))]
     dtype = compute_dtype(q_in, k_in, v_in, *ws, *[b for b in bs if b is not None])
@@ -380,7 +386,7 @@ def additive_attention(query, keys, w_query, w_keys, v, *, values=None, mask=Non
     kp = matmul(k, wk.astype(dtype, copy=False))  # (..., Lk, A)
     e = np.tanh(qp[..., :, None, :] + kp[..., None, :, :]) @ vv.astype(dtype, copy=False)  # (..., Lq, Lk)
     if mask is not None:
-        m = np.asarray(mask)
+        m = as_array(mask, "mask")
         if m.dtype != np.bool_:
             raise TypeError(f"mask must be a bool array (True = may attend); got dtype {m.dtype}")
         try:

@@ -16,15 +16,26 @@ F32 = np.dtype(np.float32)
 F64 = np.dtype(np.float64)
 
 
-def float_array(x, name: str) -> np.ndarray:
-    """``np.asarray(x)``, refusing anything but real floating point (bfloat16 included)."""
+def as_array(x, name: str) -> np.ndarray:
+    """``np.asarray(x)``; a torch tensor NumPy refuses (bfloat16, requiring grad, off the CPU)
+    goes through ``_torch_array``, so every array argument takes torch tensors alike."""
     try:
-        a = np.asarray(x)
+        return np.asarray(x)
     except (TypeError, RuntimeError, ValueError) as exc:
         if type(x).__module__.split(".")[0] != "torch":
             raise
-        a = _torch_array(x, name, exc)
-    if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
+        return _torch_array(x, name, exc)
+
+
+def is_float_dtype(dt: np.dtype) -> bool:
+    """Real floating point, bfloat16 included (ml_dtypes' bfloat16 has kind "V")."""
+    return dt.kind == "f" or dt.name == "bfloat16"
+
+
+def float_array(x, name: str) -> np.ndarray:
+    """``np.asarray(x)``, refusing anything but real floating point (bfloat16 included)."""
+    a = as_array(x, name)
+    if not is_float_dtype(a.dtype):
         raise TypeError(f"{name} must be a float32 or float64 array; got dtype {a.dtype}")
     if a.dtype.itemsize > 8:
         raise TypeError(f"{name}: dtype {a.dtype} is not supported (use float32 or float64)")
@@ -214,7 +225,7 @@ def scale_value(scale, E: int) -> float:
 def int64_values(x, name: str) -> np.ndarray:
     """An integer array as int64, refusing what int64 cannot hold (unsigned values past 2**63 - 1)
     rather than letting the cast wrap them."""
-    a = np.asarray(x)
+    a = as_array(x, name)
     if a.dtype.kind not in "iu":
         raise TypeError(f"{name} must be an integer array; got dtype {a.dtype}")
     if a.dtype.kind == "u" and a.size and a.max() > np.iinfo(np.int64).max:
@@ -237,10 +248,10 @@ def same_layout(a: np.ndarray, b: np.ndarray) -> bool:
 
 def mask_array(mask, name: str, dtype: np.dtype):
     """(kind, array): kind 1 for bool masks (True = may attend), 2 for additive float masks."""
-    m = np.asarray(mask)
+    m = as_array(mask, name)
     if m.dtype == np.bool_:
         return 1, m.view(np.uint8)
-    if m.dtype.kind == "f" or m.dtype.name == "bfloat16":  # (ml_dtypes' bfloat16 has kind "V")
+    if is_float_dtype(m.dtype):
         return 2, cast(m, dtype)
     raise TypeError(f"{name} must be a bool or float array; got dtype {m.dtype}")
 
@@ -347,8 +358,8 @@ def per_head(values, name: str, lead: tuple, dtype: np.dtype):
     flattened in the core's problem order (contiguous, ``dtype``); None stays None."""
     if values is None:
         return None
-    a = np.asarray(values)
-    if a.dtype.kind not in "fiu" and a.dtype.name != "bfloat16":
+    a = as_array(values, name)
+    if a.dtype.kind not in "iu" and not is_float_dtype(a.dtype):
         raise TypeError(f"{name} must be a float array; got dtype {a.dtype}")
     b = _broadcast_named(a, lead, name, "one per query head")
     given = np.asarray(b, np.float64).reshape(-1)
@@ -375,7 +386,8 @@ def key_counts(kv_lens, lead: tuple, Lk: int):
     as one int64 count per (batch, head) problem; None stays None."""
     if kv_lens is None:
         return None
-    a = np.array(kv_lens)  # a snapshot: what is checked here is what the kernel reads without the GIL
+    # a snapshot: what is checked here is what the kernel reads without the GIL
+    a = np.array(as_array(kv_lens, "kv_lens"))
     if a.dtype.kind not in "iu":
         raise TypeError(f"kv_lens must be an integer array; got dtype {a.dtype}")
     batch = lead[:-1]

@@ -20,6 +20,7 @@ Test names say what they exercise, for ``-k``:
 from __future__ import annotations
 
 import os
+import re
 import tracemalloc
 
 import numpy as np
@@ -949,6 +950,20 @@ def test_varlen_bad_cu_seqlens_raise(bad, rng):
     q, k, v = randn(rng, (6, 2, 8)), randn(rng, (6, 1, 8)), randn(rng, (6, 1, 8))
     with pytest.raises(TypeError if bad == "float" else ValueError, match=match):
         pyattn.varlen_attention(q, k, v, cq, ck)
+
+
+@pytest.mark.parametrize("name", ["sinks", "alibi_slopes"])
+def test_varlen_per_head_shapes(name, rng):
+    """alibi_slopes and sinks are one per query head for every sequence: (Hq,), or a scalar or
+    (1,) for all heads, the same as (Hq,) filled; (1, Hq) and other shapes raise ValueError."""
+    q, k, v = randn(rng, (6, 2, 8)), randn(rng, (6, 1, 8)), randn(rng, (6, 1, 8))
+    cu = np.array([0, 2, 6])
+    want = pyattn.varlen_attention(q, k, v, cu, cu, is_causal=True, **{name: np.full(2, 0.5)})
+    for same in (0.5, np.array([0.5])):
+        np.testing.assert_array_equal(pyattn.varlen_attention(q, k, v, cu, cu, is_causal=True, **{name: same}), want)
+    for bad in (np.zeros((1, 2)), np.zeros(3)):
+        with pytest.raises(ValueError, match=rf"{name} has shape {re.escape(str(bad.shape))}.*one per query head"):
+            pyattn.varlen_attention(q, k, v, cu, cu, **{name: bad})
 
 
 # ------------------------------------------------------------------------------------------------

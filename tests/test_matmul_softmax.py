@@ -531,3 +531,14 @@ def test_out_whose_rows_overlap_is_written_through_a_temporary(isa, rng):
     as_strided(want_buf, shape=shape, strides=strides)[...] = pyattn.scaled_dot_product_attention(q, k, v)
     pyattn.scaled_dot_product_attention(q, k, v, out=as_strided(o_buf, shape=shape, strides=strides))
     np.testing.assert_array_equal(o_buf, want_buf)
+
+
+def test_softmax_overflowing_scaled_input_is_nan():
+    """x * scale + mask is formed in the computation's dtype (docs/api.md, softmax): past float32's
+    range it is inf and the slice NaN, as in torch; float64 holds the same values."""
+    x = np.array([[1e30, 0.0, 0.0], [3e38, 0.0, 1.0]], np.float32)
+    got = pyattn.softmax(x, scale=np.float32(1e9))
+    assert np.isnan(got[0]).all() and np.isnan(got[1]).all()
+    np.testing.assert_array_equal(pyattn.softmax(x.astype(np.float64), scale=1e9), [[1, 0, 0], [1, 0, 0]])
+    m = np.array([3e38, 0.0, 0.0], np.float32)
+    assert np.isnan(pyattn.softmax(np.array([3e38, 0.0, 0.0], np.float32), mask=m)).all()

@@ -381,3 +381,32 @@ def test_load_state_dict_takes_none_for_absent_biases(rng):
     dst.load_state_dict(dict(src.state_dict(), in_proj_bias=None, **{"out_proj.bias": None}))
     x = randn(rng, (1, 3, 8))
     np.testing.assert_array_equal(dst(x, x, x)[0], src(x, x, x)[0])
+
+
+def test_bfloat16_masks(rng):
+    """A bfloat16 float mask (ml_dtypes), attn_mask or key_padding_mask, is an additive mask here
+    as everywhere else in pyattn (it was refused as 'not a bool or float array')."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    q = randn(rng, (2, 5, 8), np.float32)
+    w = make_weights(rng, 8, 2, 4, dtype=np.float32)
+    add = np.where(bool_mask(rng, (5, 5)), 0.0, -np.inf).astype(ml_dtypes.bfloat16)
+    kpm = np.where(bool_mask(rng, (2, 5)), 0.0, -np.inf).astype(ml_dtypes.bfloat16)
+    args = (q, q, q, 2, w["w_q"], w["w_k"], w["w_v"], w["w_o"], w.get("b_q"), w.get("b_k"), w.get("b_v"), w.get("b_o"))
+    for kw in (dict(attn_mask=add), dict(key_padding_mask=kpm), dict(attn_mask=add, key_padding_mask=kpm)):
+        got, _ = pyattn.multi_head_attention(*args, **kw)
+        want, _ = pyattn.multi_head_attention(*args, **{n: m.astype(np.float32) for n, m in kw.items()})
+        np.testing.assert_array_equal(got, want)
+
+
+def test_unbatched_key_padding_mask_shape_error(rng):
+    """Unbatched inputs take a (Lk,) key_padding_mask; another shape is named as given."""
+    x = randn(rng, (3, 8), np.float32)
+    w = make_weights(rng, 8, 2, 4, dtype=np.float32)
+    args = (x, x, x, 2, w["w_q"], w["w_k"], w["w_v"], w["w_o"])
+    with pytest.raises(ValueError, match=r"key_padding_mask has shape \(1, 3\); expected \(Lk,\) = \(3,\)"):
+        pyattn.multi_head_attention(*args, key_padding_mask=np.zeros((1, 3), bool))
+    got, _ = pyattn.multi_head_attention(*args, key_padding_mask=np.array([False, False, True]))
+    want, _ = pyattn.multi_head_attention(
+        *[a[None] if i < 3 else a for i, a in enumerate(args)], key_padding_mask=np.array([[False, False, True]])
+    )
+    np.testing.assert_array_equal(got, want[0])

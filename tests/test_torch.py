@@ -342,3 +342,35 @@ def test_torch_tensors_numpy_cannot_read():
         pyattn.scaled_dot_product_attention(q, k.clone().requires_grad_(True), v)
     with pytest.raises(ValueError, match=r"query is a torch tensor on meta.*query.cpu\(\)"):
         pyattn.scaled_dot_product_attention(torch.empty(1, 2, 3, 8, device="meta"), k, v)
+
+
+def test_torch_tensors_as_masks_and_per_head_values():
+    """attn_mask, sinks, alibi_slopes and kv_lens take torch tensors as query/key/value do: a
+    bfloat16 tensor through ml_dtypes, one that requires grad (gpt-oss keeps its sinks as an
+    nn.Parameter) or lies off the CPU refused naming the argument (torch's own error before)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (4, 6, 6))
+    mask = torch.randn(1, 2, 4, 6, generator=g).to(torch.bfloat16)
+    per_head = torch.tensor([0.5, -1.0]).to(torch.bfloat16)
+    got = pyattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, sinks=per_head, alibi_slopes=per_head)
+    as_np = mask.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    ph = per_head.float().numpy()
+    qn, kn, vn = q.numpy(), k.numpy(), v.numpy()
+    want = pyattn.scaled_dot_product_attention(qn, kn, vn, attn_mask=as_np, sinks=ph, alibi_slopes=ph)
+    np.testing.assert_array_equal(got, want)
+    lens = torch.tensor([5])
+    np.testing.assert_array_equal(
+        pyattn.scaled_dot_product_attention(q, k, v, kv_lens=lens),
+        pyattn.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), kv_lens=lens.numpy()),
+    )
+    sinks = torch.nn.Parameter(torch.zeros(2))
+    grad_mask = torch.zeros(4, 6, requires_grad=True)
+    for name, kw in (("sinks", dict(sinks=sinks)), ("attn_mask", dict(attn_mask=grad_mask))):
+        with pytest.raises(TypeError, match=rf"{name} is a torch tensor that requires grad.*{name}.detach\(\)"):
+            pyattn.scaled_dot_product_attention(q, k, v, **kw)
+    with pytest.raises(TypeError, match=r"sinks is a torch tensor that requires grad"):
+        packed = [t[0].transpose(0, 1) for t in (q, k, v)]
+        pyattn.varlen_attention(*packed, [0, 4], [0, 6], sinks=sinks)
+    with pytest.raises(ValueError, match=r"alibi_slopes is a torch tensor on meta.*alibi_slopes.cpu\(\)"):
+        pyattn.scaled_dot_product_attention(q, k, v, alibi_slopes=torch.empty(2, device="meta"))

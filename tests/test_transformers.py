@@ -543,20 +543,82 @@ def test_no_mask_follows_module_is_causal():
     module, aligned bottom-right, and a sliding_window kwarg becomes the window."""
     g = torch.Generator().manual_seed(9)
     q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (3, 6, 6))
-    for causal, window in ((True, None), (False, None), (True, 2)):
+    for causal, window in ((True, None), (False, None), (True, 2), (False, 3)):
         out, _ = pt.attention_forward(_module(causal), q, k, v, None, sliding_window=window)
+        # the keyword as transformers' flash path reads it: window_size (W - 1, W - 1), or (W - 1, 0)
         want = reference.scaled_dot_product_attention(
             q.numpy(),
             k.numpy(),
             v.numpy(),
             is_causal=causal,
             causal_align="bottom_right",
-            window=None if window is None else (window - 1, 0),
+            window=None if window is None else (window - 1, 0 if causal else window - 1),
         )
         np.testing.assert_allclose(out.numpy(), want.transpose(0, 2, 1, 3), atol=1e-6)
     out, _ = pt.attention_forward(_module(True), q, k, v, None, is_causal=False)
     want = reference.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy())
     np.testing.assert_allclose(out.numpy(), want.transpose(0, 2, 1, 3), atol=1e-6)
+
+
+def test_modernbert_without_a_mask_matches_eager():
+    """ModernBERT's local layers pass sliding_window as the keyword flash reads (its overlay's W
+    plus one); with pyattn's attention registered alone (no mask function, so the model hands it
+    no mask) the keyword alone must give eager's local window."""
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register("pyattn_no_mask_test", pt.attention_forward)
+    cfg = transformers.ModernBertConfig(
+        vocab_size=96,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        local_attention=6,
+        global_attn_every_n_layers=3,
+        pad_token_id=0,
+        initializer_range=0.15,
+    )
+    torch.manual_seed(0)
+    eager = transformers.ModernBertModel(cfg).eval()
+    ours = copy.deepcopy(eager)
+    eager.set_attn_implementation("eager")
+    ours.set_attn_implementation("pyattn_no_mask_test")
+    ids = torch.randint(3, 96, (2, 15), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = eager(ids).last_hidden_state, ours(ids).last_hidden_state
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=2e-5 * float(want.abs().max()))
+
+
+def test_t5_position_bias_in_float64():
+    """A float64 T5 (weights that need float64) computes its learned position bias in float64:
+    pyattn's logits match sdpa's to float64 rounding, not float32's."""
+    cfg = transformers.T5Config(
+        vocab_size=96,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        initializer_range=0.15,
+    )
+    torch.manual_seed(0)
+    sdpa = transformers.T5ForConditionalGeneration(cfg).to(torch.float64).eval()
+    with torch.no_grad():  # values no float32 holds
+        for p in sdpa.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    ours = copy.deepcopy(sdpa)
+    sdpa.set_attn_implementation("sdpa")
+    ours.set_attn_implementation(pt.NAME)
+    g = torch.Generator().manual_seed(1)
+    ids, dec = torch.randint(3, 96, (2, 12), generator=g), torch.randint(3, 96, (2, 6), generator=g)
+    with torch.no_grad():
+        want = sdpa(input_ids=ids, decoder_input_ids=dec).logits
+        got = ours(input_ids=ids, decoder_input_ids=dec).logits
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-12
 
 
 def test_register_is_idempotent():

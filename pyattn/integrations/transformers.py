@@ -181,6 +181,15 @@ def _window_sides(causal: bool, window: Optional[int]):
     return (window - 1, 0) if causal else (window, window)
 
 
+def _keyword_window_sides(causal: bool, window: int):
+    """pyattn's ``window=(left, right)`` for the ``sliding_window`` keyword a model passes to its
+    attention function, which transformers reads as flash-attention's ``window_size=(W - 1, W - 1)``
+    (bidirectional) or ``(W - 1, 0)`` (causal): the token and the W - 1 on each side it looks. The
+    bidirectional overlay's W counts differently (``_window_sides``), and models that pass both
+    (ModernBERT) pass the keyword one more than the overlay's."""
+    return (window - 1, 0) if causal else (window - 1, window - 1)
+
+
 def _verified(fn, causal: bool, window: Optional[int]) -> bool:
     """Whether ``fn`` gives exactly the pattern (causal, window) says, checked once per pattern
     on the index pairs around the window's edges: guards the recognition against a release of
@@ -410,19 +419,19 @@ def attention_forward(
         kw["is_causal"] = bool(causal)
         kw["causal_align"] = "bottom_right"
         if sliding_window is not None:
-            kw["window"] = _window_sides(bool(causal), int(sliding_window))
+            kw["window"] = _keyword_window_sides(bool(causal), int(sliding_window))
+    dt = query.dtype
+    compute = dt if dt in (torch.float32, torch.float64) else torch.float32
     position_bias = kwargs.get("position_bias")
     if position_bias is not None:  # T5-style learned bias: added to the scores like a float mask
-        bias = position_bias.detach().float().numpy()
+        bias = position_bias.detach().to(compute).numpy()  # (a float64 model's in float64)
         m = kw.get("attn_mask")
         if m is not None and m.dtype == np.bool_:
-            bias = np.where(m, bias, np.float32(-np.inf))
+            bias = np.where(m, bias, bias.dtype.type(-np.inf))
         elif m is not None:
             bias = bias + m
         kw["attn_mask"] = bias
 
-    dt = query.dtype
-    compute = dt if dt in (torch.float32, torch.float64) else torch.float32
     q = _numpy(query if dt == compute else query.to(compute))
     if key.dtype == dt and dt in (torch.float16, torch.bfloat16) and compute == torch.float32:
         k, v = _numpy(key), _numpy(value)  # read as they are by the kernels
