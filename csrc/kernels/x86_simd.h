@@ -684,6 +684,10 @@ struct VecKernels {
   //   loaded once for all RB rows, and the RB x NV accumulators stay in registers over the kb rows.
   //   PART: the last vector is partial (w < NV * L), read masked; whole vectors are read as
   //   such (AVX2 has no masked 16-bit or 8-bit load: a partial half or int8 row costs far more).
+  //   The block's sum starts from zero and is added to acc once, as the prefill's micro-kernels
+  //   do: registers starting from acc made a decode's output one float32 chain of FMAs over all
+  //   its keys, whose error grew faster than the key count past ~128K keys (H8 D64 Lk 262144:
+  //   87 ulp median against 5.7 for the same heads split into chunks).
   template <int NV, int RB, bool PART, class S>
   static void pv_block(const T* p, index_t ps, index_t kb, const S* const* rows, index_t d0, int w, T* acc,
                        index_t ldacc) {
@@ -697,7 +701,7 @@ struct VecKernels {
 #pragma GCC unroll 4
     for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 8
-      for (int i = 0; i < NV; ++i) a[r][i] = ldt(i, acc + r * ldacc + i * L);
+      for (int i = 0; i < NV; ++i) a[r][i] = Ops::zero();
     for (index_t j = 0; j < kb; ++j) {
       const S* vr = rows[j] + d0;
       if constexpr (RB == 1) {
@@ -721,12 +725,14 @@ struct VecKernels {
     }
 #pragma GCC unroll 4
     for (int r = 0; r < RB; ++r) {
+      T* ar = acc + r * ldacc;
 #pragma GCC unroll 8
-      for (int i = 0; i < NV - 1; ++i) Ops::store(acc + r * ldacc + i * L, a[r][i]);
+      for (int i = 0; i < NV - 1; ++i) Ops::store(ar + i * L, Ops::add(ldt(i, ar + i * L), a[r][i]));
+      const V tail = Ops::add(ldt(NV - 1, ar + (NV - 1) * L), a[r][NV - 1]);
       if constexpr (PART)
-        Ops::maskstore(last, acc + r * ldacc + (NV - 1) * L, a[r][NV - 1]);
+        Ops::maskstore(last, ar + (NV - 1) * L, tail);
       else
-        Ops::store(acc + r * ldacc + (NV - 1) * L, a[r][NV - 1]);
+        Ops::store(ar + (NV - 1) * L, tail);
     }
   }
 

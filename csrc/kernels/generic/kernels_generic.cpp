@@ -70,15 +70,15 @@ struct GenericKernels {
                        const S* const* = nullptr, const S* const* = nullptr, index_t = 0) {
     for (index_t j = 0; j < kb; ++j) dot_rows(q, qs, R, rows[j], n, s + j, ss);
   }
-  //   acc[x, d] += sum_j p[x*ps + j] * rows[j][d]
+  //   acc[x, d] += sum_j p[x*ps + j] * rows[j][d], the block's sum from zero (as x86_simd.h's
+  //   pv_block: not one chain over every key of a long decode)
   template <class S>
   static void pv_rows(const T* p, index_t ps, index_t R, index_t kb, const S* const* rows, index_t Ev, T* acc) {
     for (index_t x = 0; x < R; ++x)
-      for (index_t j = 0; j < kb; ++j) {
-        const T pj = p[x * ps + j];
-        const S* vr = rows[j];
-        T* ax = acc + x * Ev;
-        for (index_t d = 0; d < Ev; ++d) ax[d] += pj * T(to_float(vr[d]));
+      for (index_t d = 0; d < Ev; ++d) {
+        T t = T(0);
+        for (index_t j = 0; j < kb; ++j) t += p[x * ps + j] * T(to_float(rows[j][d]));
+        acc[x * Ev + d] += t;
       }
   }
   //   x[i] = exp2(x[i] - sub[i]); sum[i] += x[i]
