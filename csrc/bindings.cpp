@@ -22,6 +22,22 @@ using pyattn::index_t;
 
 namespace {
 
+// The GIL released for a kernel call and taken back after it. Not py::gil_scoped_release: a
+// daemon thread still in a call when the interpreter finalizes is ended inside
+// PyEval_RestoreThread by pthread_exit, whose unwinding through that guard's noexcept destructor
+// called std::terminate (the process aborted at exit; pybind11 issue 2215). This destructor lets
+// the thread's unwinding pass, as it passes through NumPy's C frames.
+class NoGil {
+ public:
+  NoGil() : ts_(PyEval_SaveThread()) {}
+  ~NoGil() noexcept(false) { PyEval_RestoreThread(ts_); }
+  NoGil(const NoGil&) = delete;
+  NoGil& operator=(const NoGil&) = delete;
+
+ private:
+  PyThreadState* ts_;
+};
+
 const void* cptr(const py::array& a) { return a.data(); }
 void* mptr(py::array& a) { return a.mutable_data(); }
 const void* opt_cptr(const py::object& o) { return o.is_none() ? nullptr : py::cast<py::array>(o).data(); }
@@ -240,7 +256,7 @@ PyObject* attend(const pyattn::AttnArgs& a, int typenum, py::object& out, const 
                  bool run = true, int kv = 0) {
   if (run) {
     const pyattn::IsaTable& isa = pyattn::active_isa();
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     (kv ? isa.attention_lowp[kv - 1] : isa.attention[typenum == kFloat32 ? 0 : 1])(a);
   }
   if (!want_lse) return out.release().ptr();
@@ -871,7 +887,7 @@ PYBIND11_MODULE(_core, m) {
         pyattn::GemmArgs g{m_, n, k, cptr(a), rsa, csa, cptr(b), rsb, csb, mptr(c), rsc, csc,
                            batch, offs(offa), offs(offb), offs(offc), pyattn::get_num_threads()};
         // clang-format on
-        py::gil_scoped_release nogil;
+        NoGil nogil;
         pyattn::active_isa().gemm[dt(c)](g);
       },
       "c[i] = a[i] @ b[i] for each of `batch` matrices at the given element offsets and strides.", py::arg("a"),
@@ -900,7 +916,7 @@ PYBIND11_MODULE(_core, m) {
                               pyattn::MaskKind(mask_kind), opt_cptr(mask), offs(moff), mcs, scale,
                               pyattn::get_num_threads()};
         // clang-format on
-        py::gil_scoped_release nogil;
+        NoGil nogil;
         pyattn::active_isa().softmax[dt(out)](s);
       },
       "out row r = softmax(x row r * scale + mask row r), rows at the given offsets.", py::arg("x"), py::arg("out"),
@@ -982,7 +998,7 @@ PYBIND11_MODULE(_core, m) {
                            static_cast<const float*>(opt_cptr(v_scale)), offs(vsoff), vs_rs, vs_ps,
                            pyattn::get_num_threads()};
         // clang-format on
-        py::gil_scoped_release nogil;
+        NoGil nogil;
         const pyattn::IsaTable& isa = pyattn::active_isa();
         (kv_type == 0 ? isa.attention[dt(out)] : isa.attention_lowp[kv_type - 1])(a);
       },
@@ -1035,7 +1051,7 @@ PYBIND11_MODULE(_core, m) {
                             static_cast<double*>(mptr(out_lse)),
                             pyattn::get_num_threads()};
         // clang-format on
-        py::gil_scoped_release nogil;
+        NoGil nogil;
         pyattn::active_isa().merge[dt(out)](g);
       },
       "Merge n attention states (rows x Ev outputs, float64 lses) into out and out_lse.", py::arg("outs"),

@@ -9,6 +9,33 @@ functions in plain NumPy (float64), the oracle of the tests.
 from __future__ import annotations
 
 
+def _refuse_subinterpreters():
+    """ImportError in a sub-interpreter: the pybind11 core's initialisation takes the GIL through
+    the PyGILState API, which a sub-interpreter's thread does not own, and waited there for ever."""
+    import sys
+
+    for name in ("_interpreters", "_xxsubinterpreters"):
+        mod = sys.modules.get(name)
+        if mod is None:
+            try:
+                mod = __import__(name)
+            except ImportError:
+                continue
+        try:
+            cur, main = mod.get_current(), mod.get_main()
+        except Exception:  # an API this version does not have: assume the main interpreter
+            return
+        cur, main = (x[0] if isinstance(x, tuple) else x for x in (cur, main))
+        if cur != main:
+            raise ImportError(
+                "pyattn cannot be imported in a sub-interpreter (its compiled core supports only the main one)"
+            )
+        return
+
+
+_refuse_subinterpreters()
+
+
 def _load_core():
     """Import the compiled core. From a source checkout (``python -m pyattn`` in the repository
     root after ``pip install .``) the local ``pyattn/`` has no extension; the installed build's

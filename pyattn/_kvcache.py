@@ -9,7 +9,9 @@ ever concatenated or gathered into a copy.
 from __future__ import annotations
 
 import copy
+import os
 import threading
+import weakref
 
 import numpy as np
 
@@ -413,6 +415,21 @@ def kvcache_attention(
     )  # fmt: skip
 
 
+# Every live cache, so that a child forked while another thread held one's lock (inside its
+# attend) gets a fresh lock, as the logging module does for its handlers: the child has no such
+# thread, and the inherited lock would stay taken for ever.
+_CACHES: "weakref.WeakSet[KVCache]" = weakref.WeakSet()
+
+
+def _new_locks_after_fork() -> None:
+    for cache in list(_CACHES):
+        cache._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_locks_after_fork)
+
+
 class KVCache:
     """One layer's KV cache for a batch of sequences of different lengths.
 
@@ -447,6 +464,7 @@ class KVCache:
         # would free blocks the kernel is reading). Not re-entrant: a signal handler that calls
         # attend or reset on the cache its own thread is inside would wait forever.
         self._lock = threading.Lock()
+        _CACHES.add(self)
         if self.block_size is None:
             self._alloc(self.batch, self.max_len)
             self.block_table = None
@@ -456,13 +474,19 @@ class KVCache:
             self.block_table = np.full((self.batch, per_seq), -1, np.int32)
             self._free = list(range(self.batch * per_seq - 1, -1, -1))
 
-    def _alloc(self, n: int, length: int):
+    def _arrays(self, n: int, length: int) -> tuple:
+        """New zeroed (k, v, k_scale, v_scale) for n rows (sequences, or a paged pool's blocks)."""
         H, D, Dv = self.num_kv_heads, self.head_dim, self.v_head_dim
-        self.k = np.zeros((n, H, length, D), self.dtype)
-        self.v = np.zeros((n, H, length, Dv), self.dtype)
         int8 = self.dtype.name == "int8"
-        self.k_scale = np.zeros((n, H, length), np.float32) if int8 else None
-        self.v_scale = np.zeros((n, H, length), np.float32) if int8 else None
+        return (
+            np.zeros((n, H, length, D), self.dtype),
+            np.zeros((n, H, length, Dv), self.dtype),
+            np.zeros((n, H, length), np.float32) if int8 else None,
+            np.zeros((n, H, length), np.float32) if int8 else None,
+        )
+
+    def _alloc(self, n: int, length: int):
+        self.k, self.v, self.k_scale, self.v_scale = self._arrays(n, length)
 
     @property
     def lens(self) -> np.ndarray:
@@ -482,6 +506,7 @@ class KVCache:
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        _CACHES.add(self)
 
     def reset(self, rows=None):
         """Empty the given sequences (all when None); a paged cache frees their blocks for reuse."""
@@ -494,46 +519,62 @@ class KVCache:
             return
         if idx.dtype.kind not in "iu" or (idx.size and (idx.min() < -self.batch or idx.max() >= self.batch)):
             raise ValueError(f"rows must be sequence indices in [0, {self.batch}); got {rows!r}")
-        if self.block_table is not None:
-            for r in np.unique(idx % self.batch):
-                held = self.block_table[r][self.block_table[r] >= 0]
-                self._free.extend(int(b) for b in held[::-1])
-                self.block_table[r] = -1
-        self._lens[idx] = 0
+        if self.block_table is None:
+            self._lens[idx] = 0
+            return
+        # A sequence holds the blocks its length covers; the table past them may hold entries of
+        # a call that failed (_reserve), never read. The lengths go to 0 before the blocks go back
+        # to the free list: interrupted in between, blocks leak, but none is held and free at once.
+        rows = np.unique(idx % self.batch)
+        held = -(-self._lens[rows] // self.block_size)
+        freed = [int(b) for r, n in zip(rows, held) for b in self.block_table[r, :n][::-1]]
+        self._lens[rows] = 0
+        self._free.extend(freed)
+        self.block_table[rows] = -1
 
     def _reserve(self, needed: np.ndarray):
-        """Blocks for `needed` tokens per sequence (paged): from the free list, growing the table
-        and the pool when they run out. Returns a function that undoes exactly this (for a call
-        that then fails): it touches only what was taken, not the whole table or free list."""
+        """Blocks for `needed` tokens per sequence (paged), from the free list, growing the table and
+        the pool when they run out. Returns (table, arrays, commit): the block table and pool arrays
+        the call is to use and a function that makes them the cache's once the call has succeeded.
+        Nothing of the cache changes before commit: a grown table or pool is a new array, filled
+        here (a MemoryError or an interrupt while allocating or copying leaves the cache as it was),
+        and the new blocks' entries go into table slots past every sequence's length, which no
+        call reads (_reset and the next _reserve take a sequence's blocks from its length)."""
         bs = self.block_size
         want, have = -(-needed // bs), -(-self._lens // bs)  # sequences hold ceil(lens / bs) blocks
-        table, arrays, nfree = self.block_table, (self.k, self.v, self.k_scale, self.v_scale), len(self._free)
+        table, arrays, free = self.block_table, (self.k, self.v, self.k_scale, self.v_scale), self._free
         if want.max(initial=0) > table.shape[1]:
             grown = np.full((self.batch, max(int(want.max()), 2 * table.shape[1])), -1, np.int32)
             grown[:, : table.shape[1]] = table
-            self.block_table = grown
-        missing = int(np.maximum(want - have, 0).sum())
-        if missing > len(self._free):
-            old = self.k.shape[0]
-            new = max(2 * old, old + missing)
-            self._alloc(new, bs)
-            for dst, src in zip((self.k, self.v, self.k_scale, self.v_scale), arrays):
+            table = grown
+        count = np.maximum(want - have, 0)
+        rows = np.repeat(np.arange(self.batch), count)
+        cols = np.arange(rows.size) - np.repeat(np.cumsum(count) - count, count) + np.repeat(have, count)
+        n, extra = rows.size, []
+        if n > len(free):
+            old = arrays[0].shape[0]
+            new = max(2 * old, old + n - len(free))
+            grown_arrays = self._arrays(new, bs)
+            for dst, src in zip(grown_arrays, arrays):
                 if src is not None:
                     dst[:old] = src
-            self._free.extend(range(new - 1, old - 1, -1))
-        taken = [(r, j) for r in range(self.batch) for j in range(have[r], want[r])]
-        for r, j in taken:
-            self.block_table[r, j] = self._free.pop()
+            arrays, extra = grown_arrays, list(range(new - 1, old - 1, -1))
+        # The blocks taken are the free list's last n (the grown pool's first): popped in turn
+        from_old = max(0, n - len(extra))
+        tail = (free[len(free) - from_old :] if from_old else []) + extra[len(extra) - (n - from_old) :]
+        table[rows, cols] = tail[::-1]
 
-        def undo():
-            for r, j in reversed(taken):
-                self._free.append(int(self.block_table[r, j]))
-                self.block_table[r, j] = -1  # a grown table is dropped below; the old one is as it was
-            del self._free[nfree:]  # blocks a grown pool added
-            self.block_table = table
-            self.k, self.v, self.k_scale, self.v_scale = arrays
+        def commit(lens):
+            # The free list first: interrupted before the rest, blocks leak but none is both free
+            # and held; the table, pool and lengths then in one step.
+            free[len(free) - from_old :] = extra[: len(extra) - (n - from_old)]
+            k, v, ks, vs = arrays
+            self.__dict__.update(block_table=table, k=k, v=v, k_scale=ks, v_scale=vs, _lens=lens)
 
-        return undo
+        def discard():  # the call failed: the entries written into the cache's own table go
+            table[rows, cols] = -1
+
+        return table, arrays, commit, discard
 
     def attend(self, query, k_new, v_new, *, new_lens=None, **variants):
         """Append ``k_new`` / ``v_new`` ``(B, Hkv, Lq, D)`` after each sequence's tokens, attend
@@ -564,32 +605,38 @@ class KVCache:
         unknown = sorted(set(variants) - set(known))
         if unknown:
             raise TypeError(f"attend() got unexpected keywords {unknown}")
-        # A paged cache takes its blocks first; if the call then fails (a bad input), the blocks,
-        # the table and a grown pool are put back as they were.
-        undo = self._reserve(needed) if self.block_table is not None else None
+        # A paged cache takes its blocks first (in a new table and pool where those grow); they
+        # become the cache's only once the call has succeeded (_reserve).
+        if self.block_table is None:
+            table, (k, v, ks, vs), commit = None, (self.k, self.v, self.k_scale, self.v_scale), None
+        else:
+            table, (k, v, ks, vs), commit, discard = self._reserve(needed)
+        res = None
+        get = variants.get
         try:
-            res = None
-            get = variants.get
             if new_lens is None and get("out") is None:
                 if _plain(get("window"), get("softcap"), get("alibi_slopes"), get("sinks")):
                     res = _kvcache_small(
-                        query, self.k, self.v, self._lens, k_new, v_new, self.block_table, get("scale"),
-                        get("is_causal", True), get("return_lse", False), self.k_scale, self.v_scale,
+                        query, k, v, self._lens, k_new, v_new, table, get("scale"),
+                        get("is_causal", True), get("return_lse", False), ks, vs,
                     )  # fmt: skip
             if res is None:
                 res = _cache_attention(
-                    query, self.k, self.v, self._lens, k_new=k_new, v_new=v_new, new_lens=new_lens,
-                    block_table=self.block_table, k_scale=self.k_scale, v_scale=self.v_scale,
-                    scale=variants.get("scale"), is_causal=variants.get("is_causal", True),
-                    window=variants.get("window"), softcap=variants.get("softcap"),
-                    alibi_slopes=variants.get("alibi_slopes"), sinks=variants.get("sinks"),
-                    return_lse=variants.get("return_lse", False), out=variants.get("out"),
+                    query, k, v, self._lens, k_new=k_new, v_new=v_new, new_lens=new_lens,
+                    block_table=table, k_scale=ks, v_scale=vs,
+                    scale=get("scale"), is_causal=get("is_causal", True),
+                    window=get("window"), softcap=get("softcap"),
+                    alibi_slopes=get("alibi_slopes"), sinks=get("sinks"),
+                    return_lse=get("return_lse", False), out=get("out"),
                 )  # fmt: skip
         except BaseException:
-            if undo is not None:
-                undo()
+            if commit is not None:
+                discard()
             raise
-        self._lens = needed
+        if commit is None:
+            self._lens = needed
+        else:
+            commit(needed)
         return res
 
     def __repr__(self):
