@@ -426,6 +426,10 @@ def _new_locks_after_fork() -> None:
         cache._lock = threading.Lock()
 
 
+def _no_discard() -> None:
+    pass
+
+
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_locks_after_fork)
 
@@ -543,11 +547,13 @@ class KVCache:
         bs = self.block_size
         want, have = -(-needed // bs), -(-self._lens // bs)  # sequences hold ceil(lens / bs) blocks
         table, arrays, free = self.block_table, (self.k, self.v, self.k_scale, self.v_scale), self._free
+        count = np.maximum(want - have, 0)
+        if not count.any():  # (most decode steps: every new token fits a block held)
+            return table, arrays, self._commit_lens, _no_discard
         if want.max(initial=0) > table.shape[1]:
             grown = np.full((self.batch, max(int(want.max()), 2 * table.shape[1])), -1, np.int32)
             grown[:, : table.shape[1]] = table
             table = grown
-        count = np.maximum(want - have, 0)
         rows = np.repeat(np.arange(self.batch), count)
         cols = np.arange(rows.size) - np.repeat(np.cumsum(count) - count, count) + np.repeat(have, count)
         n, extra = rows.size, []
@@ -575,6 +581,9 @@ class KVCache:
             table[rows, cols] = -1
 
         return table, arrays, commit, discard
+
+    def _commit_lens(self, lens):
+        self._lens = lens
 
     def attend(self, query, k_new, v_new, *, new_lens=None, **variants):
         """Append ``k_new`` / ``v_new`` ``(B, Hkv, Lq, D)`` after each sequence's tokens, attend
