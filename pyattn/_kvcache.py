@@ -20,6 +20,7 @@ from ._validate import (
     F32,
     F64,
     alibi_span,
+    as_array,
     check_out,
     compute_dtype,
     float_array,
@@ -207,7 +208,7 @@ def _cache_attention(
 
     table = t = None
     if block_table is not None:
-        t = np.asarray(block_table)
+        t = as_array(block_table, "block_table")
         if t.dtype.kind not in "iu":
             raise TypeError(f"block_table must be an integer array; got dtype {t.dtype}")
         if t.ndim != 2 or t.shape[0] != B:
@@ -470,11 +471,11 @@ class KVCache:
         self._lock = threading.Lock()
         _CACHES.add(self)
         if self.block_size is None:
-            self._alloc(self.batch, self.max_len)
+            self.k, self.v, self.k_scale, self.v_scale = self._arrays(self.batch, self.max_len)
             self.block_table = None
         else:
             per_seq = -(-self.max_len // self.block_size) if self.max_len else 4
-            self._alloc(self.batch * per_seq, self.block_size)
+            self.k, self.v, self.k_scale, self.v_scale = self._arrays(self.batch * per_seq, self.block_size)
             self.block_table = np.full((self.batch, per_seq), -1, np.int32)
             self._free = list(range(self.batch * per_seq - 1, -1, -1))
 
@@ -488,9 +489,6 @@ class KVCache:
             np.zeros((n, H, length), np.float32) if int8 else None,
             np.zeros((n, H, length), np.float32) if int8 else None,
         )
-
-    def _alloc(self, n: int, length: int):
-        self.k, self.v, self.k_scale, self.v_scale = self._arrays(n, length)
 
     @property
     def lens(self) -> np.ndarray:
@@ -538,8 +536,9 @@ class KVCache:
 
     def _reserve(self, needed: np.ndarray):
         """Blocks for `needed` tokens per sequence (paged), from the free list, growing the table and
-        the pool when they run out. Returns (table, arrays, commit): the block table and pool arrays
-        the call is to use and a function that makes them the cache's once the call has succeeded.
+        the pool when they run out. Returns (table, arrays, commit, discard): the block table and pool
+        arrays the call is to use, a function that makes them the cache's once the call has
+        succeeded and one that clears the entries it wrote into the cache's table (the call failed).
         Nothing of the cache changes before commit: a grown table or pool is a new array, filled
         here (a MemoryError or an interrupt while allocating or copying leaves the cache as it was),
         and the new blocks' entries go into table slots past every sequence's length, which no
@@ -567,15 +566,20 @@ class KVCache:
             arrays, extra = grown_arrays, list(range(new - 1, old - 1, -1))
         # The blocks taken are the free list's last n (the grown pool's first): popped in turn
         from_old = max(0, n - len(extra))
-        tail = (free[len(free) - from_old :] if from_old else []) + extra[len(extra) - (n - from_old) :]
+        tail = free[len(free) - from_old :] + extra[len(extra) - (n - from_old) :]
         table[rows, cols] = tail[::-1]
 
         def commit(lens):
-            # The free list first: interrupted before the rest, blocks leak but none is both free
-            # and held; the table, pool and lengths then in one step.
-            free[len(free) - from_old :] = extra[: len(extra) - (n - from_old)]
+            # The blocks taken leave the free list first and a grown pool's spare ones join it
+            # last (only one of the two happens: blocks come from the old list only once the
+            # grown pool's are all taken), the table, pool and lengths in one step between: a
+            # failure in between loses blocks, but no block is both free and held, nor free and
+            # past the pool.
+            if from_old:
+                del free[len(free) - from_old :]
             k, v, ks, vs = arrays
             self.__dict__.update(block_table=table, k=k, v=v, k_scale=ks, v_scale=vs, _lens=lens)
+            free.extend(extra[: len(extra) - (n - from_old)])
 
         def discard():  # the call failed: the entries written into the cache's own table go
             table[rows, cols] = -1
@@ -617,7 +621,8 @@ class KVCache:
         # A paged cache takes its blocks first (in a new table and pool where those grow); they
         # become the cache's only once the call has succeeded (_reserve).
         if self.block_table is None:
-            table, (k, v, ks, vs), commit = None, (self.k, self.v, self.k_scale, self.v_scale), None
+            table, (k, v, ks, vs) = None, (self.k, self.v, self.k_scale, self.v_scale)
+            commit, discard = self._commit_lens, _no_discard
         else:
             table, (k, v, ks, vs), commit, discard = self._reserve(needed)
         res = None
@@ -639,13 +644,9 @@ class KVCache:
                     return_lse=get("return_lse", False), out=get("out"),
                 )  # fmt: skip
         except BaseException:
-            if commit is not None:
-                discard()
+            discard()
             raise
-        if commit is None:
-            self._lens = needed
-        else:
-            commit(needed)
+        commit(needed)
         return res
 
     def __repr__(self):
@@ -692,7 +693,7 @@ def varlen_attention(
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
     cu, lens = [], []
     for c, name, total in ((cu_seqlens_q, "cu_seqlens_q", Tq), (cu_seqlens_k, "cu_seqlens_k", Tk)):
-        c = np.asarray(c)
+        c = as_array(c, name)
         if c.dtype.kind not in "iu":
             raise TypeError(f"{name} must be an integer array; got dtype {c.dtype}")
         if c.ndim != 1 or c.size < 1:

@@ -192,3 +192,60 @@ def test_import_in_a_sub_interpreter_raises():
         timeout=60,
     )
     assert code == 0 and "ImportError" in out and "sub-interpreter" in out, (code, out, err)
+
+
+def _held_blocks(cache):
+    n = -(-cache.lens // cache.block_size)
+    return [int(b) for r in range(cache.batch) for b in cache.block_table[r, : n[r]]]
+
+
+@pytest.mark.parametrize("grow", [False, True])
+def test_interrupt_at_any_line_of_the_commit_keeps_the_cache_usable(grow):
+    """Ctrl-C (here raised by a trace function) at each line of KVCache's commit, with and without
+    the pool growing: blocks may be lost, but none is both free and held, every free block lies in
+    the pool, and the cache goes on taking tokens. Before, spare blocks of a grown pool joined the
+    free list ahead of the pool itself: interrupted between, every later growth named blocks past
+    the pool (ValueError for good)."""
+    rng = np.random.default_rng(2)
+    lines, line = [], 0
+    while True:
+        cache = pyattn.KVCache(1, 1, 8, block_size=4, max_len=None)
+        held = 16 if grow else 13  # a full pool of 4 blocks, or room for the token in the last
+        q = rng.standard_normal((1, 2, held, 8)).astype(np.float32)
+        cache.attend(q, rng.standard_normal((1, 1, held, 8)), rng.standard_normal((1, 1, held, 8)))
+        seen = []
+
+        def tracer(frame, event, arg, seen=seen, at=line):
+            if frame.f_code.co_name not in ("commit", "_commit_lens"):
+                return None
+
+            def local(frame, event, arg):
+                if event == "line":
+                    seen.append(frame.f_lineno)
+                    if len(seen) == at + 1:
+                        sys.settrace(None)
+                        raise KeyboardInterrupt
+                return local
+
+            return local
+
+        q1 = rng.standard_normal((1, 2, 1, 8)).astype(np.float32)
+        sys.settrace(tracer)
+        try:
+            cache.attend(q1, rng.standard_normal((1, 1, 1, 8)), rng.standard_normal((1, 1, 1, 8)))
+            interrupted = False
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            sys.settrace(None)
+        free, mine = set(cache._free), set(_held_blocks(cache))
+        assert not free & mine, f"line {line}: blocks both free and held"
+        assert all(0 <= b < cache.k.shape[0] for b in free), f"line {line}: free blocks past the pool"
+        for _ in range(6):  # and it grows and takes tokens afterwards
+            cache.attend(q1, rng.standard_normal((1, 1, 1, 8)), rng.standard_normal((1, 1, 1, 8)))
+        assert not set(cache._free) & set(_held_blocks(cache))
+        if not interrupted:
+            break
+        lines.append(seen[-1])
+        line += 1
+    assert lines, "the commit was never interrupted"

@@ -172,22 +172,17 @@ def _pattern(fn) -> Optional[Tuple[bool, Optional[int]]]:
 _VERIFIED: dict = {}
 
 
-def _window_sides(causal: bool, window: Optional[int]):
+def _window_sides(causal: bool, window: Optional[int], keyword: bool = False):
     """pyattn's ``window=(left, right)`` for transformers' sliding patterns: the causal overlay
     keeps ``kv > q - W`` (the token and the W - 1 before it), the bidirectional one
-    ``|q - kv| <= W``."""
+    ``|q - kv| <= W``. ``keyword``: W is the ``sliding_window`` keyword a model passes to its
+    attention function, which transformers reads as flash-attention's ``window_size``: ``(W - 1,
+    W - 1)`` bidirectional (models that pass both, as ModernBERT, pass the overlay's W plus one)."""
     if window is None:
         return None
-    return (window - 1, 0) if causal else (window, window)
-
-
-def _keyword_window_sides(causal: bool, window: int):
-    """pyattn's ``window=(left, right)`` for the ``sliding_window`` keyword a model passes to its
-    attention function, which transformers reads as flash-attention's ``window_size=(W - 1, W - 1)``
-    (bidirectional) or ``(W - 1, 0)`` (causal): the token and the W - 1 on each side it looks. The
-    bidirectional overlay's W counts differently (``_window_sides``), and models that pass both
-    (ModernBERT) pass the keyword one more than the overlay's."""
-    return (window - 1, 0) if causal else (window - 1, window - 1)
+    if causal:
+        return (window - 1, 0)
+    return (window - 1, window - 1) if keyword else (window, window)
 
 
 def _verified(fn, causal: bool, window: Optional[int]) -> bool:
@@ -419,7 +414,7 @@ def attention_forward(
         kw["is_causal"] = bool(causal)
         kw["causal_align"] = "bottom_right"
         if sliding_window is not None:
-            kw["window"] = _keyword_window_sides(bool(causal), int(sliding_window))
+            kw["window"] = _window_sides(bool(causal), int(sliding_window), keyword=True)
     dt = query.dtype
     compute = dt if dt in (torch.float32, torch.float64) else torch.float32
     position_bias = kwargs.get("position_bias")

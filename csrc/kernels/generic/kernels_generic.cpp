@@ -74,11 +74,18 @@ struct GenericKernels {
   //   pv_block: not one chain over every key of a long decode)
   template <class S>
   static void pv_rows(const T* p, index_t ps, index_t R, index_t kb, const S* const* rows, index_t Ev, T* acc) {
+    constexpr index_t W = 64;  // columns a pass: the block's row sums in a stack row, V read row by row
+    T t[W];
     for (index_t x = 0; x < R; ++x)
-      for (index_t d = 0; d < Ev; ++d) {
-        T t = T(0);
-        for (index_t j = 0; j < kb; ++j) t += p[x * ps + j] * T(to_float(rows[j][d]));
-        acc[x * Ev + d] += t;
+      for (index_t d0 = 0; d0 < Ev; d0 += W) {
+        const index_t w = Ev - d0 < W ? Ev - d0 : W;
+        for (index_t d = 0; d < w; ++d) t[d] = T(0);
+        for (index_t j = 0; j < kb; ++j) {
+          const T pj = p[x * ps + j];
+          const S* vr = rows[j] + d0;
+          for (index_t d = 0; d < w; ++d) t[d] += pj * T(to_float(vr[d]));
+        }
+        for (index_t d = 0; d < w; ++d) acc[x * Ev + d0 + d] += t[d];
       }
   }
   //   x[i] = exp2(x[i] - sub[i]); sum[i] += x[i]
