@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 
 F32 = np.dtype(np.float32)
@@ -199,3 +205,25 @@ def make_state_dict(rng, embed_dim, kdim=None, vdim=None, bias=True, dtype=np.fl
     if bias:
         sd["out_proj.bias"] = randn(rng, (e,), dtype, 0.5)
     return sd
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_python(script, *, timeout=60, argv=None):
+    """Run ``python -c script`` (dedented) or ``argv`` in a new session, from tests/; a hang fails
+    the test: on timeout the whole process group is killed, forked children included.
+    Returns (returncode, stdout, stderr)."""
+    import pytest
+
+    cmd = argv if argv is not None else [sys.executable, "-c", textwrap.dedent(script)]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the subprocess hung (killed after {timeout} s)\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
+    return proc.returncode, out, err

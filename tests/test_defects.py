@@ -10,13 +10,11 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
-import subprocess
 import sys
 
 import numpy as np
 import pytest
-from _helpers import DTYPES, assert_close, randn
+from _helpers import DTYPES, assert_close, randn, run_python
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -27,27 +25,6 @@ sdpa = pyattn.scaled_dot_product_attention
 ref_sdpa = reference.scaled_dot_product_attention
 
 dtype_param = pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def run_python(script, *, timeout=60, argv=None):
-    """Run ``python -c script`` (or ``argv``) in a new session; a hang fails the test.
-
-    On timeout the whole process group is killed, forked children included.
-    Returns (returncode, stdout, stderr).
-    """
-    cmd = argv if argv is not None else [sys.executable, "-c", script]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE, start_new_session=True
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"the subprocess hung (killed after {timeout} s)\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
-    return proc.returncode, out, err
 
 
 def last_json(out, err):

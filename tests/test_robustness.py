@@ -6,34 +6,14 @@ process of their own run a script in a subprocess, in a session of its own, with
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
+from _helpers import run_python
 
 import pyattn
 from pyattn import _kvcache
-
-
-def run_python(script: str, timeout: float = 60):
-    """(returncode, stdout, stderr) of ``python -c script``; a hang fails the test."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"the subprocess hung (killed after {timeout} s)\nstdout:\n{out[-2000:]}\nstderr:\n{err[-2000:]}")
-    return proc.returncode, out, err
 
 
 def _full_paged_cache(rng, dtype=np.float32):
