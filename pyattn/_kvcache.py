@@ -553,8 +553,8 @@ class KVCache:
             grown = np.full((self.batch, max(int(want.max()), 2 * table.shape[1])), -1, np.int32)
             grown[:, : table.shape[1]] = table
             table = grown
-        rows = np.repeat(np.arange(self.batch), count)
-        cols = np.arange(rows.size) - np.repeat(np.cumsum(count) - count, count) + np.repeat(have, count)
+        rows = np.repeat(np.arange(self.batch), count)  # sequence r takes table columns have[r]..want[r]
+        cols = np.concatenate([np.arange(h, w) for h, w in zip(have, want) if w > h])
         n, extra = rows.size, []
         if n > len(free):
             old = arrays[0].shape[0]

@@ -361,7 +361,7 @@ def per_head(values, name: str, lead: tuple, dtype: np.dtype):
     a = as_array(values, name)
     if a.dtype.kind not in "iu" and not is_float_dtype(a.dtype):
         raise TypeError(f"{name} must be a float array; got dtype {a.dtype}")
-    b = _broadcast_named(a, lead, name, "one per query head")
+    b = broadcast_named(a, lead, name, "one per query head")
     given = np.asarray(b, np.float64).reshape(-1)
     with np.errstate(over="ignore"):  # finite as given, in the dtype and in log2 units there too
         flat = np.require(b, dtype, "CA").reshape(-1)  # (aligned too: an unpickled array may not be)
@@ -371,7 +371,7 @@ def per_head(values, name: str, lead: tuple, dtype: np.dtype):
     return flat
 
 
-def _broadcast_named(a: np.ndarray, shape: tuple, name: str, what: str) -> np.ndarray:
+def broadcast_named(a: np.ndarray, shape: tuple, name: str, what: str) -> np.ndarray:
     """``a`` broadcast to ``shape`` (a size-1 value fits an empty shape), or a ValueError naming it."""
     if not shape and a.size == 1:
         a = a.reshape(())
@@ -391,7 +391,7 @@ def key_counts(kv_lens, lead: tuple, Lk: int):
     if a.dtype.kind not in "iu":
         raise TypeError(f"kv_lens must be an integer array; got dtype {a.dtype}")
     batch = lead[:-1]
-    b = _broadcast_named(a, batch, "kv_lens", "the axes before the heads")
+    b = broadcast_named(a, batch, "kv_lens", "the axes before the heads")
     if b.size and (b.min() < 0 or b.max() > Lk):
         raise ValueError(f"kv_lens must be in [0, Lk = {Lk}]; got values from {b.min()} to {b.max()}")
     per_problem = np.broadcast_to(b[..., None], lead) if lead else b  # repeated over the heads

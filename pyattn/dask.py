@@ -35,8 +35,8 @@ from ._api import scaled_dot_product_attention as _sdpa
 from ._merge import merge_states_f64
 from ._validate import (
     NO_LIMIT,
-    _broadcast_named,
     alibi_span,
+    broadcast_named,
     check_gqa_heads,
     kernel_factors,
     scale_value,
@@ -254,11 +254,8 @@ def _redo_hidden_nan_rows(o, l, q, k, v, m, d, col, row, kv_lens, p: "_Piece"):
     for pos in zip(*np.nonzero(bad)):
         idx, i = tuple(int(x) for x in pos[:-1]), int(pos[-1])
         kidx = idx[:-1] + (idx[-1] // p.group,) if p.group > 1 else idx
-        placed = np.ones(nk, bool)  # the keys the row's position lets it see
-        if p.L is not None:
-            placed &= j >= i + d - p.L
-        if p.R is not None:
-            placed &= j <= i + d + p.R
+        vis = _visible(1, nk, i + d, p.L, p.R)  # the keys [c, e) the row's position lets it see
+        placed = (j >= vis[2]) & (j < vis[3]) if vis else np.zeros(nk, bool)
         if lens is not None:
             placed &= j < lens[idx[:-1]]
         seen = placed & mb[idx + (i,)]
@@ -610,11 +607,11 @@ def scaled_dot_product_attention(
         softcap=softcap, L=L, R=R, dtype=np.dtype(dtype), ev=Ev, group=group,
     )  # fmt: skip
     slopes = (
-        None if alibi_slopes is None else _broadcast_named(np.asarray(alibi_slopes, _F64), lead, "alibi_slopes", _ONE)
+        None if alibi_slopes is None else broadcast_named(np.asarray(alibi_slopes, _F64), lead, "alibi_slopes", _ONE)
     )
     with np.errstate(over="ignore"):  # checked as the blocks' calls take them: in the dtype
         alibi_span(None if slopes is None else slopes.astype(dtype), Lq + Lk, dtype)
-    sink_v = None if sinks is None else _broadcast_named(np.asarray(sinks, _F64), lead, "sinks", _ONE)
+    sink_v = None if sinks is None else broadcast_named(np.asarray(sinks, _F64), lead, "sinks", _ONE)
     lens = None
     if kv_lens is not None:
         kl = np.asarray(kv_lens).astype(np.int64)
