@@ -216,8 +216,9 @@ def _cache_attention(
         # A snapshot, checked below in t's own type (entries past those a call reads are never
         # read, so a wider type's cast of those does not matter) and then cast: the caller's
         # table may lie in memory the call writes, or change in another thread while the kernel
-        # runs without the GIL; the kernel reads only what was checked.
-        t = np.array(t)
+        # runs without the GIL; the kernel reads only what was checked. In C order: the kernel
+        # finds row b at b * max_blocks (a Fortran-ordered table was read across its rows).
+        t = np.array(t, order="C")
         table = t if t.dtype == np.int32 else t.astype(np.int32)
     if k_new is None and v_new is None:
         # Nothing is written: a cache whose feature axis is strided is read through a copy, as

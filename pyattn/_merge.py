@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _core
-from ._validate import broadcast_shapes, cast, check_out, same_layout
+from ._validate import as_array, broadcast_shapes, cast, check_out, same_layout
 
 __all__ = ["merge_attention_states"]
 
@@ -16,10 +16,10 @@ _F64 = np.dtype(np.float64)
 def _states(x, name: str, trailing: str):
     """The n states of ``outputs``/``lses`` as a list of arrays, and a description for errors."""
     if isinstance(x, (list, tuple)):
-        states = [np.asarray(s) for s in x]
+        states = [as_array(s, f"{name}[{i}]") for i, s in enumerate(x)]
         seen = f"{name} (a sequence of {len(states)} arrays of shapes {[s.shape for s in states]})"
     else:
-        a = np.asarray(x)
+        a = as_array(x, name)
         if a.ndim == 0:
             raise ValueError(f"{name} must be an array (n, {trailing}) or a sequence of n arrays; got a scalar")
         states = [a[i] for i in range(a.shape[0])]

@@ -287,7 +287,7 @@ class MultiHeadAttention:
     def load_state_dict(self, mapping) -> None:
         """Load torch ``nn.MultiheadAttention`` parameters given as NumPy arrays."""
         E, kv = self.embed_dim, self.num_kv_heads * self.head_dim
-        sd = {k: np.asarray(v) for k, v in dict(mapping).items() if v is not None}  # None: no such parameter
+        sd = {k: as_array(v, k) for k, v in dict(mapping).items() if v is not None}  # None: no such parameter
         unsupported = {"bias_k", "bias_v"} & sd.keys()
         if unsupported:
             raise ValueError(f"load_state_dict: {sorted(unsupported)} (add_bias_kv) is not supported")
@@ -296,7 +296,7 @@ class MultiHeadAttention:
             if name not in sd:
                 raise KeyError(f"load_state_dict: missing key {name!r}")
             a = sd.pop(name)
-            if a.dtype.kind != "f":
+            if not is_float_dtype(a.dtype):
                 raise TypeError(f"load_state_dict: {name!r} must be floating point; got dtype {a.dtype}")
             if a.shape != shape:
                 raise ValueError(f"load_state_dict: {name!r} has shape {a.shape}; expected {shape}")
@@ -345,7 +345,7 @@ def sinusoidal_positional_encoding(num_positions, d_model, *, base=10000.0, dtyp
     if not base > 0:
         raise ValueError(f"base must be > 0; got {base}")
     dtype = np.dtype(dtype)
-    if dtype.kind != "f":
+    if not is_float_dtype(dtype):
         raise TypeError(f"dtype must be a float dtype; got {dtype}")
     pos = np.arange(num_positions, dtype=np.float64)[:, None]
     i2 = np.arange(0, d_model, 2, dtype=np.float64)

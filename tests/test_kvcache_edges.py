@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _helpers import randn
+from _helpers import assert_close, randn
 
 import pyattn
+from pyattn import reference
 
 I64_MAX = np.iinfo(np.int64).max
 
@@ -130,6 +131,30 @@ def test_block_table_entries_past_the_tokens_are_not_read(rng):
     want = pyattn.kvcache_attention(q, kc, vc, np.array([3]), block_table=np.array([[2, 1, 0]], np.int32))
     wide = np.array([[2, 1, 2**40]], np.int64)  # the third entry is past the 3 tokens held
     np.testing.assert_array_equal(pyattn.kvcache_attention(q, kc, vc, np.array([3]), block_table=wide), want)
+
+
+@pytest.mark.parametrize("layout", ["fortran", "transposed view", "column slice"])
+@pytest.mark.parametrize("itype", [np.int32, np.int64])
+def test_block_table_in_any_memory_order_is_read_by_rows(layout, itype, rng):
+    """A table not in C order (Fortran, a transposed view, every other column) names the same
+    blocks as its C copy. Its copy kept the caller's order, and the kernel read it as C order:
+    wrong blocks, or, with padding entries past the tokens, memory past the cache (a segfault)."""
+    kc, vc = rn(rng, (6, 1, 4, 4)), rn(rng, (6, 1, 4, 4))
+    q = rn(rng, (2, 1, 1, 4))
+    lens = np.array([7, 8])
+    c = np.array([[3, 1, 10**8], [5, 2, 10**8]], itype)  # padding past the tokens is never read
+    if layout == "fortran":
+        t = np.asfortranarray(c)
+    elif layout == "transposed view":
+        t = np.ascontiguousarray(c.T).T
+    else:
+        t = np.repeat(c, 2, axis=1)[:, ::2]
+    assert not t.flags.c_contiguous
+    want = pyattn.kvcache_attention(q, kc, vc, lens, block_table=c)
+    np.testing.assert_array_equal(pyattn.kvcache_attention(q, kc, vc, lens, block_table=t), want)
+    kg = np.stack([np.concatenate([kc[i] for i in row[:2]], axis=1) for row in c])
+    vg = np.stack([np.concatenate([vc[i] for i in row[:2]], axis=1) for row in c])
+    assert_close(want, reference.scaled_dot_product_attention(q, kg, vg, kv_lens=lens), np.float32)
 
 
 @pytest.mark.parametrize("which", ["k_scale", "v_scale"])

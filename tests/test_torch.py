@@ -374,3 +374,31 @@ def test_torch_tensors_as_masks_and_per_head_values():
         pyattn.varlen_attention(*packed, [0, 4], [0, 6], sinks=sinks)
     with pytest.raises(ValueError, match=r"alibi_slopes is a torch tensor on meta.*alibi_slopes.cpu\(\)"):
         pyattn.scaled_dot_product_attention(q, k, v, alibi_slopes=torch.empty(2, device="meta"))
+
+
+def test_torch_tensors_in_merge_and_state_dicts():
+    """merge_attention_states and MultiHeadAttention.load_state_dict take torch tensors as every
+    other function does: one that requires grad or lies off the CPU is refused naming it and the
+    fix, a bfloat16 one is read through ml_dtypes (torch's own errors before)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    g = torch.Generator().manual_seed(2)
+    outs, lses = (
+        [torch.randn(2, 3, 4, generator=g) for _ in range(2)],
+        [torch.randn(2, 3, generator=g) for _ in range(2)],
+    )
+    got = pyattn.merge_attention_states(outs, lses)
+    want = pyattn.merge_attention_states([o.numpy() for o in outs], [x.numpy() for x in lses])
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(TypeError, match=r"outputs\[1\] is a torch tensor that requires grad.*outputs\[1\]\.detach\(\)"):
+        pyattn.merge_attention_states([outs[0], outs[1].clone().requires_grad_(True)], lses)
+    with pytest.raises(ValueError, match=r"lses is a torch tensor on meta.*lses\.cpu\(\)"):
+        pyattn.merge_attention_states(torch.stack(outs), torch.empty(2, 2, 3, device="meta"))
+    with pytest.raises(TypeError, match=r"outputs\[0\] must be a float32 or float64 array; got dtype bfloat16"):
+        pyattn.merge_attention_states([o.to(torch.bfloat16) for o in outs], lses)
+    m = torch.nn.MultiheadAttention(8, 2).to(torch.bfloat16)
+    p = pyattn.MultiHeadAttention(8, 2)
+    p.load_state_dict(m.state_dict())
+    w = m.in_proj_weight.detach().float().numpy()
+    np.testing.assert_array_equal(p.state_dict()["in_proj_weight"], w.astype(np.float32))
+    assert ml_dtypes.bfloat16 == pyattn.sinusoidal_positional_encoding(3, 4, dtype=ml_dtypes.bfloat16).dtype
