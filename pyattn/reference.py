@@ -368,7 +368,8 @@ def merge_attention_states(outputs, lses):
             np.where(np.isfinite(y)[..., None], 0.0 * w, 0.0) for m, (w, y) in enumerate(zip(outs, ls)) if m != n
         )
         out = np.where((np.isposinf(x) & (n_inf == 1) & ~any_nan)[..., None], o + others, out)
-    return out, lse
+    # the leading axes of outputs and lses broadcast together, the lse's too
+    return out, np.broadcast_to(lse, out.shape[:-1]).copy()
 
 
 def multi_head_attention(

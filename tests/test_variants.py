@@ -582,6 +582,13 @@ def test_merge_broadcasts_leading_axes(isa, rng):
     want_o, want_l = reference.merge_attention_states(np.stack(bo), np.stack(bl))
     assert_close(o, want_o, tol=1e-13)
     assert_close(l, want_l, tol=1e-13)
+    # outputs wider than the lses: the lse takes the outputs' leading axes too, in the oracle
+    # as well (it returned the lses' own broadcast, (2, 1, 4) here)
+    outs, lses = [randn(rng, (1, 4, 2)), randn(rng, (2, 4, 2))], [rng.normal(size=4), rng.normal(size=(2, 1, 4))]
+    (o, l), (ro, rl) = merge(outs, lses), reference.merge_attention_states(outs, lses)
+    assert l.shape == rl.shape == (2, 2, 4) and o.shape == ro.shape == (2, 2, 4, 2)
+    assert_close(o, ro, tol=1e-13)
+    assert_close(l, rl, tol=1e-13)
 
 
 @dtype_param
