@@ -619,7 +619,10 @@ void to_half(const float* src, index_t n, int kv, char* dst) {
 void quantize_row(const float* src, index_t n, char* dst, char* scale_at) {
   float amax = 0.0f;
   for (index_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(src[i]));
-  const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+  float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+  // 127 scale stays finite: amax near the float32 maximum divided by 127 may round up, and the
+  // row read back as 127 scale then overflowed (the values clip to 127 either way)
+  if (std::isinf(scale * 127.0f)) scale = std::nextafter(scale, 0.0f);
   for (index_t i = 0; i < n; ++i) {
     const float r = std::nearbyint(src[i] / scale);  // to nearest even, as np.rint
     dst[i] = static_cast<char>(static_cast<std::int8_t>(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r));

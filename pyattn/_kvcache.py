@@ -64,6 +64,10 @@ def _quantize(x: np.ndarray):
     # A row holding NaN or inf cannot be stored in int8: it gets a NaN scale (and zeros), so it
     # reads back as NaN and the NaN propagates as it would from a float cache.
     scale = np.where(np.isfinite(amax), np.where(amax > 0, amax / 127.0, 1.0), np.nan).astype(np.float32)
+    # 127 scale stays finite: amax near the float32 maximum divided by 127 may round up, and the
+    # row read back as 127 scale then overflowed (the values clip to 127 either way)
+    with np.errstate(over="ignore"):
+        scale = np.where(np.isinf(scale * np.float32(127)), np.nextafter(scale, np.float32(0)), scale)
     # (a row whose absolute maximum is under 127 times the smallest float has a scale of 0: its
     # values, +-inf after the division, clip to +-127 and read back as 0)
     with np.errstate(invalid="ignore", divide="ignore"):

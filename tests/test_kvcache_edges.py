@@ -687,3 +687,22 @@ def test_degenerate_inputs_warn_nothing():
         pool = np.zeros((2, 1, 0, 3), np.float32)
         out = pyattn.kvcache_attention(q[..., :3], pool, pool, np.array([0]), block_table=np.zeros((1, 2), np.int32))
         np.testing.assert_array_equal(out, 0)
+
+
+def test_int8_row_at_the_float32_maximum_reads_back_finite():
+    """max|x| = FLT_MAX: max / 127 rounded up, and 127 scale read back as +-inf. The scale is now
+    the float below it where 127 scale would overflow, in the core's quantiser (kvcache_attention's
+    writes) and in the Python one alike (same bytes)."""
+    from pyattn import _kvcache
+
+    m = np.finfo(np.float32).max
+    v = np.array([m, 1, -m, 0], np.float32).reshape(1, 1, 1, 4)
+    kc, vc = np.zeros((1, 1, 4, 4), np.int8), np.zeros((1, 1, 4, 4), np.int8)
+    ks, vs = np.zeros((1, 1, 4), np.float32), np.zeros((1, 1, 4), np.float32)
+    q = np.zeros((1, 1, 1, 4), np.float32)
+    out = pyattn.kvcache_attention(q, kc, vc, np.array([0]), k_new=np.zeros_like(v), v_new=v, k_scale=ks, v_scale=vs)
+    assert np.isfinite(out).all() and out[0, 0, 0, 0] > 0.99999 * m and out[0, 0, 0, 2] < -0.99999 * m
+    qp, sp = _kvcache._quantize(v)
+    np.testing.assert_array_equal(qp, vc[:, :, :1])
+    np.testing.assert_array_equal(sp, vs[:, :, :1])
+    assert np.isfinite(np.float32(127) * sp).all()
