@@ -65,7 +65,8 @@ def make_config(family: str, layers: int, hidden: int, heads: int, kv_heads: int
     if family == "mistral":
         return transformers.MistralConfig(**common, sliding_window=window)
     if family == "qwen2":
-        return transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=window)
+        # max_window_layers: the layers from it on slide; its default (28) left every layer full
+        return transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=window, max_window_layers=0)
     if family == "gemma2":
         types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
         return transformers.Gemma2Config(
@@ -140,8 +141,9 @@ def main(argv=None) -> int:
         return real_sdpa(*a, **kw)
 
     pyattn.scaled_dot_product_attention = counted
+    kv_heads = args.heads if args.model == "gpt2" else args.kv_heads  # GPT-2 has no grouped heads
     print(
-        f"{args.model}: {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} KV heads, "
+        f"{args.model}: {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {kv_heads} KV heads, "
         f"{args.dtype}, random weights; prompts {lens} left-padded to {ids.shape[1]}, {args.new_tokens} new tokens; "
         f"torch {torch.__version__} ({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
         f"pyattn {pyattn.__version__} ({pyattn.get_num_threads()} threads)"

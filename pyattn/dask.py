@@ -426,17 +426,20 @@ def _bounds(chunks):
     return [(int(starts[t]), int(starts[t + 1])) for t in range(len(chunks))]
 
 
-def _check_chunks(out_chunks, arrays, axis: int, what: str):
-    """Each array is broadcast (size 1) on this axis or chunked exactly as the output."""
+def _check_chunks(out_chunks, arrays, axis: int, what: str, shapes: dict):
+    """Each array is broadcast (size 1) on this axis or chunked exactly as the output. The arrays
+    are aligned to the output's rank; the message names the axis from the end, as it is in the
+    caller's array (shapes: the caller's shape of each)."""
     size = sum(out_chunks)
     for name, x in arrays:
         if x is None or (x.shape[axis] == 1 and size != 1):
             continue
         if x.chunks[axis] != out_chunks:
+            back = axis - x.ndim
             raise ValueError(
-                f"{name} is chunked {x.chunks[axis]} along {what} (axis {axis - x.ndim} of shape {x.shape}) but the "
+                f"{name} is chunked {x.chunks[axis]} along {what} (axis {back} of shape {shapes[name]}) but the "
                 f"output's {what} is chunked {out_chunks}; rechunk it to match, e.g. "
-                f"{name}.rechunk({{{axis}: {out_chunks}}}), so that each task reads one block"
+                f"{name}.rechunk({{{back}: {out_chunks}}}), so that each task reads one block"
             )
 
 
@@ -566,6 +569,7 @@ def scaled_dot_product_attention(
     per_seq = kv_lens is not None and positional and causal_align == "bottom_right"
     off = Lk - Lq if causal_align == "bottom_right" else 0
 
+    shapes = {"query": q.shape, "key": k.shape, "value": v.shape, "attn_mask": None if m is None else m.shape}
     q = _whole_last(_align(q, n + 2), "query")
     k = _whole_last(_align(k, n + 2), "key")
     v = _whole_last(_align(v, n + 2), "value")
@@ -588,17 +592,17 @@ def scaled_dot_product_attention(
     names = (("query", q), ("key", k), ("value", v), ("attn_mask", m))
     for t in range(n):
         if group > 1 and t == n - 1:
-            _check_chunks(tuple(out_chunks[t]), [("query", q), ("attn_mask", m)], t, "the query heads")
+            _check_chunks(tuple(out_chunks[t]), [("query", q), ("attn_mask", m)], t, "the query heads", shapes)
             if k.chunks[t] != v.chunks[t]:
                 raise ValueError(
                     f"key and value are chunked differently along their heads axis ({k.chunks[t]} and {v.chunks[t]}); "
                     "rechunk one to match the other"
                 )
         else:
-            _check_chunks(tuple(out_chunks[t]), names, t, f"leading axis {t}")
-    _check_chunks(q_chunks, [("attn_mask", m)], n, "Lq")
-    _check_chunks(k_chunks, [("value", v)], n, "Lk")
-    _check_chunks(k_chunks, [("attn_mask", m)], n + 1, "Lk")
+            _check_chunks(tuple(out_chunks[t]), names, t, f"leading axis {t}", shapes)
+    _check_chunks(q_chunks, [("attn_mask", m)], n, "Lq", shapes)
+    _check_chunks(k_chunks, [("value", v)], n, "Lk", shapes)
+    _check_chunks(k_chunks, [("attn_mask", m)], n + 1, "Lk", shapes)
 
     scale = scale_value(scale, E)
     kernel_factors(scale, softcap_value(softcap), dtype)  # refused here as the NumPy calls would

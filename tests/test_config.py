@@ -299,3 +299,15 @@ def test_decode_prefetch_choice():
             name = key.split(" ", 1)[1]
             np.testing.assert_allclose(np.asarray(out), refs[name], rtol=0, atol=3e-6, err_msg=f"{key} {setting!r}")
     assert flags["yes"] is flags[""]  # anything but 0 or 1 leaves the choice to the CPU
+
+
+def test_api_reference_table_lists_every_public_name():
+    """docs/api.md's table "Public names (pyattn.__all__)" names each of them (it had left out
+    kvcache_attention, KVCache and varlen_attention), and nothing else."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    table = text.split("Public names (`pyattn.__all__`):", 1)[1].split("\n\n", 2)[1]
+    listed = {n for row in table.splitlines() for n in re.findall(r"`(\w+)`", row.split("|")[1])}
+    assert listed == set(pyattn.__all__), (sorted(set(pyattn.__all__) - listed), sorted(listed - set(pyattn.__all__)))

@@ -479,6 +479,28 @@ def test_errors_mismatched_chunks():
         pdask.scaled_dot_product_attention(qg, _dq(chunks=(1, 1, 8, 8)), _dq(), enable_gqa=True)
 
 
+def test_mismatched_chunks_message_names_the_callers_axis_and_its_fix(rng):
+    """Arrays of fewer axes than the output (a 2-D mask, a 3-D value): the message gives the
+    caller's shape and an axis of the caller's array, and the rechunk it suggests runs and fixes
+    the call (it named the axis of the array aligned to the output's rank: AxisError, or another
+    axis)."""
+    import ast
+    import re
+
+    q = da.from_array(rng.random((2, 4, 10, 8), np.float32), chunks=(1, 2, 3, 8))
+    k = da.from_array(rng.random((2, 4, 13, 8), np.float32), chunks=(1, 2, 4, 8))
+    m = da.from_array(rng.random((10, 13)) > 0.3, chunks=(5, 4))
+    v3 = da.from_array(rng.random((4, 13, 8), np.float32), chunks=(2, 7, 8))
+    for args, name, shape in (((q, k, k, m), "attn_mask", "(10, 13)"), ((q, k, v3), "value", "(4, 13, 8)")):
+        with pytest.raises(ValueError, match=re.escape(f"of shape {shape})")) as info:
+            pdask.scaled_dot_product_attention(*args)
+        fix = re.search(rf"{name}\.rechunk\((.*)\), so that", str(info.value)).group(1)
+        fixed = [a.rechunk(ast.literal_eval(fix)) if a is args[3 if name == "attn_mask" else 2] else a for a in args]
+        got = pdask.scaled_dot_product_attention(*fixed).compute()
+        want = pyattn.scaled_dot_product_attention(*(np.asarray(a) for a in args))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_errors_unknown_chunks():
     q = _dq()
     keep = da.from_array(np.arange(16) % 3 != 0, chunks=8)
