@@ -634,3 +634,17 @@ def test_register_is_idempotent():
 def test_pyattn_imports_without_transformers():
     code = "import sys, pyattn; assert 'transformers' not in sys.modules and 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_model_not_using_the_attention_interface_gets_a_clear_error():
+    """Bloom computes its attention itself: with attn_implementation="pyattn" its layers got
+    pyattn's mask object and failed on `scores + mask` ("unsupported operand type(s) for +:
+    'Tensor' and 'PyattnMask'"); any torch operation on the mask now says why and what to use."""
+    config = transformers.BloomConfig(vocab_size=100, hidden_size=64, n_layer=1, n_head=4)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=pt.NAME).eval()
+    with pytest.raises(TypeError, match=r"computes its attention itself.*attn_implementation='eager' or 'sdpa'"):
+        model(torch.randint(0, 100, (2, 7)))
+    mask = pt.PyattnMask((1, 1, 2, 2))
+    for op in (lambda: torch.zeros(2) + mask, lambda: mask * 2.0, lambda: torch.where(mask, 1, 0), lambda: ~mask):
+        with pytest.raises(TypeError, match="computes its attention itself"):
+            op()

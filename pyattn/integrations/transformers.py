@@ -61,6 +61,13 @@ NAME = "pyattn"
 # ------------------------------------------------------------------------------------------ mask
 
 
+_NOT_THROUGH_INTERFACE = (
+    "this model computes its attention itself instead of through transformers' AttentionInterface, "
+    f"so attn_implementation={NAME!r} cannot serve it (its layers received pyattn's mask, which only "
+    "pyattn's attention reads): load it with attn_implementation='eager' or 'sdpa'"
+)
+
+
 class PyattnMask:
     """What :func:`mask_function` hands :func:`attention_forward`: the keywords of one
     :func:`pyattn.scaled_dot_product_attention` call that reproduce transformers' mask.
@@ -87,6 +94,20 @@ class PyattnMask:
     @property
     def ndim(self) -> int:
         return 4
+
+    # A model whose attention layers compute the attention themselves, not through
+    # AttentionInterface (Bloom, for one), still gets this mask from transformers and does
+    # torch arithmetic on it: every torch function and operator given one says why, instead of
+    # "unsupported operand type(s) for +: 'Tensor' and 'PyattnMask'".
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(_NOT_THROUGH_INTERFACE)
+
+    def _refuse(self, *_):
+        raise TypeError(_NOT_THROUGH_INTERFACE)
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __and__ = __rand__ = __or__ = __ror__ = _refuse
+    __invert__ = __neg__ = _refuse
 
     def keywords(self) -> dict:
         return {
