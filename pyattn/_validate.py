@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 
 import numpy as np
 
@@ -18,7 +19,16 @@ F64 = np.dtype(np.float64)
 
 def as_array(x, name: str) -> np.ndarray:
     """``np.asarray(x)``; a torch tensor NumPy refuses (bfloat16, requiring grad, off the CPU)
-    goes through ``_torch_array``, so every array argument takes torch tensors alike."""
+    goes through ``_torch_array``, so every array argument takes torch tensors alike. A NumPy
+    masked array with masked entries is refused: np.asarray would drop its mask silently."""
+    if type(x) is not np.ndarray and isinstance(x, np.ndarray) and "numpy.ma" in sys.modules:
+        ma = sys.modules["numpy.ma"]
+        if isinstance(x, ma.MaskedArray) and ma.getmaskarray(x).any():
+            raise TypeError(
+                f"{name} is a masked array with masked entries, and pyattn reads only its data: "
+                f"pass {name}.filled(value), and hide what its mask hid through the function's own mask "
+                "arguments (attn_mask, kv_lens, ...)"
+            )
     try:
         return np.asarray(x)
     except (TypeError, RuntimeError, ValueError) as exc:

@@ -544,3 +544,27 @@ def test_module_inputs_not_modified():
     for k in new:
         np.testing.assert_array_equal(new[k], new_copies[k])
     del sd
+
+
+def test_masked_arrays_with_masked_entries_are_refused():
+    """np.asarray drops a masked array's mask: its masked values took part silently. Refused
+    where an entry is masked, in every argument; without one the data is all there is."""
+    x = np.ma.masked_array(np.arange(24, dtype=np.float32).reshape(2, 3, 4) / 24, mask=False)
+    plain = x.data.copy()
+    np.testing.assert_array_equal(
+        pyattn.scaled_dot_product_attention(x, x, x), pyattn.scaled_dot_product_attention(plain, plain, plain)
+    )
+    x[0, 1, 2] = np.ma.masked
+    calls = {
+        "query": lambda: pyattn.scaled_dot_product_attention(x, plain, plain),
+        "value": lambda: pyattn.scaled_dot_product_attention(plain, plain, x),
+        "attn_mask": lambda: pyattn.scaled_dot_product_attention(plain, plain, plain, attn_mask=x[0, :, :3]),
+        "x": lambda: pyattn.softmax(x),
+        "b": lambda: pyattn.matmul(plain[0], x[0].T),
+        "k_new": lambda: pyattn.kvcache_attention(
+            plain[None, :, :1], np.zeros((1, 2, 4, 4), np.float32), np.zeros((1, 2, 4, 4), np.float32),
+            np.array([0]), k_new=x[None, :, 1:2], v_new=plain[None, :, :1]),
+    }  # fmt: skip
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=rf"{name} is a masked array with masked entries.*{name}\.filled"):
+            call()
