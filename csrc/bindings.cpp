@@ -307,15 +307,23 @@ bool factors_fit(double scale, double cap, bool f32) {
   const double hi = f32 ? double(std::numeric_limits<float>::max()) : std::numeric_limits<double>::max();
   if (cap == 0.0 && std::fabs(scale) <= 1e30) return true;
   const double lo = f32 ? double(std::numeric_limits<float>::min()) : std::numeric_limits<double>::min();
-  if (cap > hi / kLog2e || (cap > 0.0 && cap * kLog2e < lo)) return false;
+  if (cap * kLog2e > hi || (cap > 0.0 && cap * kLog2e < lo)) return false;  // as Python: not cap > hi / log2(e)
   return !std::isfinite(scale) || std::fabs(scale * kLog2e / (cap > 0.0 ? cap * kLog2e : 1.0)) <= hi;
+}
+
+// A Python float or a numpy.float64 as such: another float subclass may define __float__, which
+// the Python path's float() calls and PyFloat_AS_DOUBLE does not, so it takes that path.
+bool plain_float(PyObject* o) {
+  static PyTypeObject* const f64 =
+      reinterpret_cast<PyTypeObject*>(py::object(py::module_::import("numpy").attr("float64")).release().ptr());
+  return Py_TYPE(o) == &PyFloat_Type || Py_TYPE(o) == f64;
 }
 
 // softcap: None (0) or a finite float or int > 0 (_validate.softcap_value).
 bool softcap_of(PyObject* o, double& cap) {
   cap = 0.0;
   if (o == Py_None) return true;
-  if (PyFloat_Check(o))
+  if (plain_float(o))
     cap = PyFloat_AS_DOUBLE(o);
   else if (PyLong_CheckExact(o))
     cap = PyLong_AsDouble(o);
@@ -476,7 +484,7 @@ PyObject* sdpa(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   double scale;
   if (args[5] == Py_None) {
     scale = 1.0 / std::sqrt(double(E));
-  } else if (PyFloat_Check(args[5])) {  // numpy.float64 too
+  } else if (plain_float(args[5])) {  // numpy.float64 too
     scale = PyFloat_AS_DOUBLE(args[5]);
   } else if (PyLong_CheckExact(args[5])) {
     scale = PyLong_AsDouble(args[5]);
@@ -721,7 +729,8 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
     const View* written[] = {&kc, &vc, &ks, &vs};
     for (int i = 0; i < 4; ++i) {
       const View& w = *written[i];
-      if (!w.data) continue;  // no scales
+      if (!w.data) continue;                    // no scales
+      if (may_self_overlap(w)) Py_RETURN_NONE;  // the Python path refuses it
       bool clash = overlap(kn, w) || overlap(vn, w) || overlap(q, w) || overlap(w, lens_data, B, lens_s, 8) ||
                    (paged && overlap(w, table, B * tcols, 1, 4));
       for (int j = 0; j < i; ++j) clash = clash || (written[j]->data && overlap(w, *written[j]));
@@ -751,7 +760,7 @@ PyObject* kvcache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
   double scale;
   if (args[7] == Py_None) {
     scale = 1.0 / std::sqrt(double(E));
-  } else if (PyFloat_Check(args[7])) {
+  } else if (plain_float(args[7])) {
     scale = PyFloat_AS_DOUBLE(args[7]);
   } else {
     Py_RETURN_NONE;

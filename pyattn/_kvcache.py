@@ -28,6 +28,7 @@ from ._validate import (
     is_float64,
     kernel_factors,
     lead_offsets,
+    may_self_overlap,
     per_head,
     positive_int,
     scale_value,
@@ -164,6 +165,13 @@ def _check_capacity(keys: np.ndarray, capacity: int) -> None:
 def _check_written(cache, name):
     if not cache.flags.writeable:
         raise ValueError(f"{name} is read-only; new tokens are written into it in place")
+    # one element reached through two indices: which write lands last would depend on the order
+    # of the writes (the core's and NumPy's differ), and the kernel would read either
+    if may_self_overlap(cache):
+        raise ValueError(
+            f"{name} may reach one element through two indices (shape {cache.shape}, strides {cache.strides}); "
+            "new tokens are written into it in place, so each element must be its own"
+        )
 
 
 def _cache_attention(

@@ -706,3 +706,26 @@ def test_int8_row_at_the_float32_maximum_reads_back_finite():
     np.testing.assert_array_equal(qp, vc[:, :, :1])
     np.testing.assert_array_equal(sp, vs[:, :, :1])
     assert np.isfinite(np.float32(127) * sp).all()
+
+
+@pytest.mark.parametrize("which", ["k_cache", "v_cache", "k_scale"])
+def test_self_overlapping_written_cache_is_refused_unchanged(which, rng):
+    """A cache (or scales) reaching one element through two indices: the core's writes and
+    NumPy's land in different orders, so the stored token and the output depended on the path.
+    Refused before any write; read-only use of such a view stays allowed."""
+    kc, vc = np.zeros((1, 2, 4, 4), np.int8), np.zeros((1, 2, 4, 4), np.int8)
+    ks, vs = np.zeros((1, 2, 4), np.float32), np.zeros((1, 2, 4), np.float32)
+    arrays = dict(k_cache=kc, v_cache=vc, k_scale=ks, v_scale=vs)
+    a = arrays[which]
+    # head 1 row r is head 0 row r + 1
+    arrays[which] = np.lib.stride_tricks.as_strided(a, a.shape, (a.strides[0], a.strides[2]) + a.strides[2:])
+    before = [x.copy() for x in (kc, vc, ks, vs)]
+    q, kn, vn = rn(rng, (1, 2, 2, 4)), rn(rng, (1, 2, 2, 4)), rn(rng, (1, 2, 2, 4))
+    c = arrays
+    with pytest.raises(ValueError, match=rf"{which} may reach one element through two indices"):
+        pyattn.kvcache_attention(
+            q, c["k_cache"], c["v_cache"], np.array([0]), k_new=kn, v_new=vn, k_scale=c["k_scale"], v_scale=c["v_scale"]
+        )
+    for x, x0 in zip((kc, vc, ks, vs), before):
+        np.testing.assert_array_equal(x, x0)
+    pyattn.kvcache_attention(q, c["k_cache"], c["v_cache"], np.array([2]), k_scale=c["k_scale"], v_scale=c["v_scale"])

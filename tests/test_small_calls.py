@@ -151,6 +151,12 @@ def _decline_cases():
         "unknown causal_align": (q, k, v, {"causal_align": "diagonal"}),
         "float32 scale": (q, k, v, {"scale": np.float32(0.5)}),
         "huge int scale": (q, k, v, {"scale": 10**400}),
+        # a float subclass whose __float__ says otherwise: float() (the general path) calls it
+        "scale a float subclass": (q, k, v, {"scale": _OtherFloat(0.5)}),
+        "softcap a float subclass": (q, k, v, {"softcap": _OtherFloat(30.0)}),
+        # cap <= DBL_MAX / log2(e), but cap * log2(e) overflows: the general path refuses it (the
+        # fast path took it, and every output was NaN)
+        "softcap at float64's limit": (*(a.astype(np.float64) for a in (q, k, v)), {"softcap": 1.2460659279417838e308}),
         "string scale": (q, k, v, {"scale": "0.5"}),
         "gqa not a multiple": (q, k[:, :3], v[:, :3], {"enable_gqa": True}),
         "gqa without heads": (q[0, 0], k[0, 0], v[0, 0], {"enable_gqa": True}),
@@ -232,6 +238,11 @@ def _misaligned(a):
 
 class _Sub(np.ndarray):
     pass
+
+
+class _OtherFloat(float):
+    def __float__(self):
+        return 2.0 * super().__float__()
 
 
 @pytest.mark.parametrize("name", sorted(_decline_cases()))
@@ -644,6 +655,13 @@ def _kvcache_decline_cases():
         "block table int64": dict(base, k_cache=pkc, v_cache=pvc, block_table=ptable.astype(np.int64)),
         "block outside the cache": dict(base, k_cache=pkc, v_cache=pvc, block_table=bad_table),
         "strided new feature axis": dict(base, k_new=np.repeat(kn, 2, axis=-1)[..., ::2]),
+        # one element reached through two indices (heads overlapping rows): the general path refuses it
+        "self-overlapping cache": dict(
+            base,
+            k_cache=np.lib.stride_tricks.as_strided(
+                kc, kc.shape, (kc.strides[0], kc.strides[2], kc.strides[2], kc.strides[3])
+            ),
+        ),
     }
     if len(_half_types()) > 1:
         bf = _half_types()[1]
