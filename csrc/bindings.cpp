@@ -373,6 +373,8 @@ bool per_head(PyObject* o, index_t Hq, index_t bh, std::vector<T>& buf, const vo
   for (index_t i = 0; i < bh; ++i) {
     const char* e = p->data + (i % Hq) * p->strides[0];
     const double given = typenum == kFloat32 ? double(read_at<float>(e)) : read_at<double>(e);
+    // a finite double past T's range: the cast below would be undefined (the general path decides)
+    if (std::isfinite(given) && std::fabs(given) > double(std::numeric_limits<T>::max())) return false;
     const T x = T(given);
     // the kernels take it in T, in log2 units: a finite value that overflows there is refused (Python)
     if (std::isfinite(given) && !std::isfinite(x * T(kLog2e))) return false;
