@@ -105,11 +105,7 @@ def writable_in_place(a: np.ndarray) -> bool:
     element reached twice (through a zero stride, or rows that overlap: its threads would race
     on it, or a row would read what an earlier one wrote; otherwise it writes a temporary that is
     then copied in)."""
-    return (
-        bool(a.flags.aligned)
-        and not any(s % a.itemsize for s in a.strides)
-        and (a.flags.c_contiguous or a.flags.f_contiguous or not may_self_overlap(a))
-    )
+    return bool(a.flags.aligned) and not any(s % a.itemsize for s in a.strides) and not may_self_overlap(a)
 
 
 def writes_in_place(out: np.ndarray, *reads) -> bool:
@@ -122,7 +118,10 @@ def writes_in_place(out: np.ndarray, *reads) -> bool:
 def may_self_overlap(a: np.ndarray) -> bool:
     """Whether ``a`` may reach one element through two indices: False when its axes, taken by
     stride, each step past everything the smaller ones span (the sufficient test; a layout that
-    fails it without overlapping only costs a temporary)."""
+    fails it without overlapping only costs a temporary). A contiguous array is answered from
+    its flags."""
+    if a.flags.c_contiguous or a.flags.f_contiguous:
+        return False
     span = a.itemsize
     for s, n in sorted((abs(s), n) for s, n in zip(a.strides, a.shape) if n > 1):
         if s < span:
