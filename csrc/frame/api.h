@@ -132,6 +132,9 @@ int isa_supported(const char* name);
 // (stream_keys_row_bytes, frame/attention.h: AVX2's rows of 512 bytes and more), unless the
 // variable is set.
 // Key rows of at most two cache lines never take it (frame/attention.h, decode_stream_keys).
+// The same answer decides whether K/V of the cached size (16 MiB at most) read several keys a
+// pass prefetch the rows two blocks ahead among them, where the kernel set asks for that
+// (kPrefetchCachedRows: AVX-512).
 bool decode_prefetch_streams();
 int decode_prefetch_env();  // PYATTN_DECODE_PREFETCH: 0 or 1, -1 when unset (or neither)
 int default_num_threads();

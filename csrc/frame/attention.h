@@ -1599,13 +1599,17 @@ struct Attention {
     if (r.R == 1 && !stream_keys) {
       const KV* krows[db];
       rows_at(kb0, a.k_rs, a.k_ps, *cur, k0, kb, krows);
-      if (prefetch_cached_rows<K>::value && cached && an >= kb && (!kHalf || kInt8 || short_key_rows())) {
+      if (prefetch_cached_rows<K>::value && decode_prefetch_streams() && cached && an >= kb &&
+          (!kHalf || kInt8 || short_key_rows())) {
         // The call's K/V fit in cache, but a model reads them from memory (its other layers
         // pass through the cache between two steps of this one): the rows PFD blocks ahead are
         // prefetched among the keys (dot_keys' pk). On AVX-512 in cache that cost 1-7%; from
         // memory it saved 1.05-1.33x (float32 D64 / D128, float16 D64, int8 D128; 2 threads,
         // Zen 4), but cost float16 / bfloat16 D128 rows 1.12-1.25x, which go without. AVX2
         // lost both ways (0.84-0.86 in cache, 0.85-0.88 from memory): kPrefetchCachedRows.
+        // On the Intel Xeon they cost float32 D64 rows 1.06-1.15x within the L3 (GPT-2 B1/B4,
+        // every layer's K/V 36-72 MiB, read in turn) and 1.10-1.15x called back to back, and
+        // saved 1.02-1.04x from memory: taken only where decode_prefetch_streams (not on Intel).
         const KV* pk[db];
         const KV* pv[db];
         for (index_t j = 0; j < kb; ++j) {
