@@ -165,8 +165,7 @@ def scaled_dot_product_attention(
         kv_lead = lead
 
     out_shape = lead + (Lq, Ev)
-    if out is not None:
-        check_out(out, out_shape, dtype)
+    ov = check_out(out, out_shape, dtype) if out is not None else None  # written through; out is returned
     scale = scale_value(scale, E)
     kernel_factors(scale, cap, dtype)
 
@@ -188,7 +187,7 @@ def scaled_dot_product_attention(
 
     nlead = len(lead)
     bh = math.prod(lead)
-    result = out if out is not None else np.empty(out_shape, dtype)
+    result = ov if ov is not None else np.empty(out_shape, dtype)
     weights = np.zeros(lead + (Lq, Lk), dtype) if return_weights else None
     lse = np.empty(lead + (Lq,), dtype) if return_lse else None
 
@@ -228,6 +227,8 @@ def scaled_dot_product_attention(
             )  # fmt: skip
             if target is not result:
                 result[...] = target
+    if out is not None:
+        result = out
     if not (return_weights or return_lse):
         return result
     extra = tuple(x for x in (weights, lse) if x is not None)
@@ -258,7 +259,7 @@ def softmax(x, axis=-1, *, scale=None, mask=None, out=None):
             raise ValueError(f"mask has shape {np.shape(mask)}; expected a shape broadcastable to {a.shape}") from None
         m = strided_ok(np.moveaxis(m, ax, -1))
     if a.size == 0:
-        return result
+        return result if out is None else out
     target = result
     # Rows are computed one at a time, each read whole before it is written: out may be x itself
     # (same memory, same strides), but any other overlap would read rows already overwritten.
@@ -280,7 +281,7 @@ def softmax(x, axis=-1, *, scale=None, mask=None, out=None):
     )  # fmt: skip
     if target is not result:
         result[...] = target
-    return result
+    return result if out is None else out
 
 
 # ----------------------------------------------------------------------------- matmul

@@ -290,8 +290,7 @@ def _cache_attention(
     slopes = per_head(alibi_slopes, "alibi_slopes", lead, dtype)
     alibi_span(slopes, int(keys.max(initial=0)) + Lq, dtype)
     sink = per_head(sinks, "sinks", lead, dtype)
-    if out is not None:
-        check_out(out, (B, Hq, Lq, Ev), dtype)
+    ov = check_out(out, (B, Hq, Lq, Ev), dtype) if out is not None else None  # written through; out is returned
     scale = scale_value(scale, E)
     kernel_factors(scale, cap, dtype)
     if counts is not None:
@@ -313,11 +312,11 @@ def _cache_attention(
         return np.full(shape, fill, dtype) if ragged else np.empty(shape, dtype)
 
     result = alloc((B, Hq, Lq, Ev), 0) if (ragged or out is None) else None
-    target = out if result is None else result
+    target = ov if result is None else result
     # an out laid out for the kernel (unit last stride, aligned, whole-element strides, no element
     # reached twice through a zero stride: the threads would race on it) and apart from every
     # input, else a temporary copied in
-    reads = (q, k_cache, v_cache, k_scale, v_scale, table, slopes, sink) if target is out else ()
+    reads = (q, k_cache, v_cache, k_scale, v_scale, table, slopes, sink) if target is ov else ()
     if not writes_in_place(target, *reads):
         target = alloc((B, Hq, Lq, Ev), 0)
     lse = alloc((B, Hq, Lq), -np.inf) if return_lse else None
@@ -367,8 +366,9 @@ def _cache_attention(
             k_scale if kv_type == 3 else None, ksoff, ks[0], ks[1],  # k_scale, ksoff, ks_rs, ks_ps
             v_scale if kv_type == 3 else None, vsoff, vs[0], vs[1],  # v_scale, vsoff, vs_rs, vs_ps
         )  # fmt: skip
-    if out is not None and target is not out:
-        out[...] = target
+    if out is not None:
+        if target is not ov:
+            ov[...] = target
         target = out
     return (target, lse) if return_lse else target
 
@@ -437,7 +437,15 @@ _CACHES: "weakref.WeakSet[KVCache]" = weakref.WeakSet()
 
 def _new_locks_after_fork() -> None:
     for cache in list(_CACHES):
-        cache._lock = threading.Lock()
+        cache._lock = threading.RLock()
+        cache._busy = False
+
+
+def _nested(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"KVCache.{what} was called on a cache from inside that cache's own attend or reset (code an "
+        "argument runs, such as its __array__, or a signal handler): calls on one cache cannot nest"
+    )
 
 
 def _no_discard() -> None:
@@ -479,9 +487,11 @@ class KVCache:
         self._lens = np.zeros(self.batch, np.int64)
         # attend reads the lengths and the block table, drops the GIL in the kernel and then
         # stores the new lengths: two threads at once would write the same rows (or a reset
-        # would free blocks the kernel is reading). Not re-entrant: a signal handler that calls
-        # attend or reset on the cache its own thread is inside would wait forever.
-        self._lock = threading.Lock()
+        # would free blocks the kernel is reading). A call on the cache from inside its own
+        # attend or reset (an argument's __array__, a signal handler) finds the lock its thread
+        # holds (an RLock: a plain lock would wait for ever) and _busy set: a RuntimeError.
+        self._lock = threading.RLock()
+        self._busy = False
         _CACHES.add(self)
         if self.block_size is None:
             self.k, self.v, self.k_scale, self.v_scale = self._arrays(self.batch, self.max_len)
@@ -516,17 +526,26 @@ class KVCache:
 
     def __getstate__(self):  # (under the lock: not a cache half-way through another thread's attend)
         with self._lock:  # copy.copy: the arrays and the free list as they are now, not shared
-            return {k: copy.copy(v) for k, v in self.__dict__.items() if k != "_lock"}
+            if self._busy:  # (half-way through this thread's own attend)
+                raise _nested("__getstate__")
+            return {k: copy.copy(v) for k, v in self.__dict__.items() if k not in ("_lock", "_busy")}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._busy = False
         _CACHES.add(self)
 
     def reset(self, rows=None):
         """Empty the given sequences (all when None); a paged cache frees their blocks for reuse."""
         with self._lock:
-            self._reset(rows)
+            if self._busy:
+                raise _nested("reset")
+            self._busy = True
+            try:
+                self._reset(rows)
+            finally:
+                self._busy = False
 
     def _reset(self, rows):
         idx = np.arange(self.batch) if rows is None else np.atleast_1d(np.asarray(rows))
@@ -610,10 +629,19 @@ class KVCache:
         call): its query rows past them are padding and come back as zeros. ``variants``: scale,
         is_causal, window, softcap, alibi_slopes, sinks, return_lse, out."""
         with self._lock:
-            return self._attend(query, k_new, v_new, new_lens, variants)
+            if self._busy:
+                raise _nested("attend")
+            self._busy = True
+            try:
+                return self._attend(query, k_new, v_new, new_lens, variants)
+            finally:
+                self._busy = False
 
     def _attend(self, query, k_new, v_new, new_lens, variants):
-        Lq = np.shape(query)[-2] if np.ndim(query) == 4 else 0
+        # Converted once: the tokens counted here are those written (an array-like whose
+        # __array__ gave another shape on a second call left lens apart from the cache's rows)
+        query = as_array(query, "query")
+        Lq = query.shape[-2] if query.ndim == 4 else 0
         if k_new is None and v_new is None:  # attend what is held, append nothing: lens stay
             if new_lens is not None:
                 raise ValueError("new_lens needs k_new / v_new")
@@ -728,16 +756,15 @@ def varlen_attention(
     if slopes is not None:
         alibi_span(slopes, int(np.max(ql + kl, initial=0)), dtype)
     sink = per_head(sinks, "sinks", (Hq,), dtype)
-    if out is not None:
-        check_out(out, (Tq, Hq, Ev), dtype)
+    ov = check_out(out, (Tq, Hq, Ev), dtype) if out is not None else None  # written through; out is returned
     scale = scale_value(scale, E)
     kernel_factors(scale, cap, dtype)
     # The kernel writes every row of every sequence, output and lse (zeros and -inf, or the sink,
     # where a sequence has no key), so neither needs a fill, and the output goes straight into out
     # where the core can write that (a zero-filled temporary copied into out cost a call
     # 1.05-1.15x, 8 sequences of 64-2048)
-    direct = out is not None and writes_in_place(out, q, k, v, slopes, sink)
-    result = out if direct else np.empty((Tq, Hq, Ev), dtype)
+    direct = ov is not None and writes_in_place(ov, q, k, v, slopes, sink)
+    result = ov if direct else np.empty((Tq, Hq, Ev), dtype)
     lse = np.empty((Tq, Hq), dtype) if return_lse else None
     bh = B * Hq
     if bh and Tq:
@@ -771,7 +798,8 @@ def varlen_attention(
             np.repeat(ql, Hq), None, None, 0, 0, 0,  # q_lens, block_table, bt_off, block_size, k_ps, v_ps
             None, None, 0, 0, None, None, 0, 0,  # k_scale, ksoff, ks_rs, ks_ps, v_scale, vsoff, vs_rs, vs_ps
         )  # fmt: skip
-    if out is not None and not direct:
-        out[...] = result
+    if out is not None:
+        if not direct:
+            ov[...] = result
         result = out
     return (result, lse) if return_lse else result

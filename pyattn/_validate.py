@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import sys
 
 import numpy as np
@@ -30,11 +31,15 @@ def as_array(x, name: str) -> np.ndarray:
                 "arguments (attn_mask, kv_lens, ...)"
             )
     try:
-        return np.asarray(x)
+        a = np.asarray(x)
     except (TypeError, RuntimeError, ValueError) as exc:
         if type(x).__module__.split(".")[0] != "torch":
             raise
         return _torch_array(x, name, exc)
+    # The caller's own array is read through a view of it: a shape checked here stays the shape
+    # the core is given, though code the call runs later (an argument's __array__ or __float__)
+    # reshapes the caller's array in place (x.shape = ...), which would have the core read past it.
+    return a.view() if a is x else a
 
 
 def is_float_dtype(dt: np.dtype) -> bool:
@@ -200,6 +205,9 @@ def broadcast_lead(shapes, names, what: str) -> tuple:
 
 
 def check_out(out, shape: tuple, dtype: np.dtype, name: str = "out") -> np.ndarray:
+    """A view of ``out`` once checked: the call writes through it (and reads its shape and strides
+    from it), so code run later in the call (an argument's __array__ or __float__) reshaping the
+    caller's array does not move what was checked; the call returns ``out`` itself."""
     if not isinstance(out, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray; got {type(out).__name__}")
     if out.shape != tuple(shape):
@@ -208,7 +216,7 @@ def check_out(out, shape: tuple, dtype: np.dtype, name: str = "out") -> np.ndarr
         raise TypeError(f"{name} has dtype {out.dtype}; expected {dtype}")
     if not out.flags.writeable:
         raise ValueError(f"{name} is read-only")
-    return out
+    return out.view()
 
 
 def _real(x) -> bool:
@@ -293,9 +301,10 @@ def window_sides(window) -> tuple:
             continue
         if isinstance(side, (bool, np.bool_)) or not isinstance(side, (int, np.integer)):
             raise TypeError(f"window sides must be ints >= 0 or None; got {window!r}")
+        side = int.__index__(operator.index(side))  # one plain int, checked and then used
         if side < 0:
             raise ValueError(f"window sides must be >= 0 or None; got {window!r}")
-        sides.append(min(int(side), NO_LIMIT))
+        sides.append(min(side, NO_LIMIT))
     return sides[0], sides[1]
 
 
@@ -373,7 +382,9 @@ def per_head(values, name: str, lead: tuple, dtype: np.dtype):
     b = broadcast_named(a, lead, name, "one per query head")
     given = np.asarray(b, np.float64).reshape(-1)
     with np.errstate(over="ignore"):  # finite as given, in the dtype and in log2 units there too
-        flat = np.require(b, dtype, "CA").reshape(-1)  # (aligned too: an unpickled array may not be)
+        # A copy (C order, aligned): what is checked here is what the kernel reads, though the
+        # caller's array changes later in the call (another argument's __array__, another thread)
+        flat = np.array(b, dtype, order="C").reshape(-1)
         past = np.isfinite(given) & ~np.isfinite(flat * flat.dtype.type(math.log2(math.e)))
     if past.any():
         raise ValueError(f"{name} holds {given[past][0]!r}, past what a {np.dtype(dtype).name} computation holds")
