@@ -556,6 +556,25 @@ def test_merge_single_state_is_identity(rng):
     np.testing.assert_array_equal(l, lses[0])
 
 
+@pytest.mark.parametrize("big", [1e10, 1e16, 1e30, -1e30])
+def test_merge_of_large_lses_weighs_the_states(big, rng):
+    """Equal states at a large |lse| weigh 1/n each, in pyattn and in the reference: the
+    reference took exp(lse_n - lse) with lse rounded (log 2 lost against 1e16: weights of 1, the
+    sum of the outputs), and a key split of one call merged to another result than the call."""
+    outs = rng.standard_normal((3, 2, 4))
+    lses = np.full((3, 2), big)
+    for f in (pyattn.merge_attention_states, reference.merge_attention_states):
+        o, _ = f(list(outs), list(lses))
+        assert_close(o, outs.mean(axis=0), tol=1e-12)
+    q, k, v = np.array([[1e9]]), np.array([[1e8], [1e8]]), np.array([[1.0], [3.0]])
+    parts = [
+        reference.scaled_dot_product_attention(q, k[i : i + 1], v[i : i + 1], scale=1.0, return_lse=True)
+        for i in (0, 1)
+    ]
+    merged, _ = reference.merge_attention_states([p[0] for p in parts], [p[1] for p in parts])
+    np.testing.assert_allclose(merged, reference.scaled_dot_product_attention(q, k, v, scale=1.0), rtol=1e-12)
+
+
 def test_merge_order_and_grouping(rng):
     """The merge is a commutative, associative reduction: any order, any tree."""
     outs, lses = random_states(rng, 5, (2,), 6, 4)
