@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 import subprocess
 import sys
 
@@ -645,6 +646,32 @@ def test_model_not_using_the_attention_interface_gets_a_clear_error():
     with pytest.raises(TypeError, match=r"computes its attention itself.*attn_implementation='eager' or 'sdpa'"):
         model(torch.randint(0, 100, (2, 7)))
     mask = pt.PyattnMask((1, 1, 2, 2))
-    for op in (lambda: torch.zeros(2) + mask, lambda: mask * 2.0, lambda: torch.where(mask, 1, 0), lambda: ~mask):
+    ops = (
+        lambda: torch.zeros(2) + mask,
+        lambda: mask * 2.0,
+        lambda: torch.where(mask, 1, 0),
+        lambda: ~mask,
+        lambda: mask.to(torch.float32),  # MPT (an AttributeError before)
+        lambda: mask.size(-1),  # XGLM
+        lambda: mask.dtype,
+        lambda: mask[:, None],
+    )
+    for op in ops:
         with pytest.raises(TypeError, match="computes its attention itself"):
             op()
+    # hasattr / getattr with a default answer as for any object; names no tensor has stay plain
+    assert not hasattr(mask, "device") and getattr(mask, "dtype", None) is None
+    with pytest.raises(AttributeError, match="no attribute 'not_a_tensor_name'"):
+        mask.not_a_tensor_name  # noqa: B018
+    assert copy.deepcopy(mask).shape == mask.shape and pickle.loads(pickle.dumps(mask)).shape == mask.shape
+
+
+@pytest.mark.parametrize("model_type", ["mpt", "xglm"])
+def test_more_models_not_using_the_attention_interface(model_type):
+    """MPT and XGLM call tensor methods on the mask (.to, .size): the same TypeError as Bloom's."""
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=96, d_model=64, n_heads=4, n_layers=2, num_layers=2, attention_heads=4, ffn_dim=128
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=pt.NAME).eval()
+    with pytest.raises(TypeError, match="computes its attention itself"):
+        model(torch.randint(3, 96, (1, 5)))

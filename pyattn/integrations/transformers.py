@@ -68,6 +68,11 @@ _NOT_THROUGH_INTERFACE = (
 )
 
 
+class _NotThroughInterface(TypeError, AttributeError):
+    """A tensor attribute asked of a PyattnMask: a TypeError saying why, and an AttributeError
+    too, so that hasattr() and getattr() with a default still answer as for any object."""
+
+
 class PyattnMask:
     """What :func:`mask_function` hands :func:`attention_forward`: the keywords of one
     :func:`pyattn.scaled_dot_product_attention` call that reproduce transformers' mask.
@@ -107,7 +112,14 @@ class PyattnMask:
         raise TypeError(_NOT_THROUGH_INTERFACE)
 
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __and__ = __rand__ = __or__ = __ror__ = _refuse
-    __invert__ = __neg__ = _refuse
+    __invert__ = __neg__ = __getitem__ = _refuse
+
+    # ... and a tensor's methods and attributes (MPT's mask.to(...), XGLM's mask.size()), which
+    # fell through to "'PyattnMask' object has no attribute 'to'"
+    def __getattr__(self, name):
+        if name.startswith("__") or not hasattr(torch.Tensor, name):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        raise _NotThroughInterface(_NOT_THROUGH_INTERFACE)
 
     def keywords(self) -> dict:
         return {
