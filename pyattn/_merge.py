@@ -5,11 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from . import _core
-from ._validate import as_array, broadcast_shapes, cast, check_out, same_layout
+from ._validate import as_array, broadcast_shapes, cast, check_out, compute_dtype, is_float_dtype, same_layout
 
 __all__ = ["merge_attention_states"]
 
-_F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
 
 
@@ -25,8 +24,10 @@ def _states(x, name: str, trailing: str):
         states = [a[i] for i in range(a.shape[0])]
         seen = f"{name} (shape {a.shape})"
     for i, s in enumerate(states):
-        if s.dtype.kind != "f" or s.dtype.itemsize > 8:
-            raise TypeError(f"{name}[{i}] must be a float32 or float64 array; got dtype {s.dtype}")
+        if not is_float_dtype(s.dtype):
+            raise TypeError(
+                f"{name}[{i}] must be a float array (float16, bfloat16, float32 or float64); got dtype {s.dtype}"
+            )
     return states, seen
 
 
@@ -64,7 +65,7 @@ def merge_attention_states(outputs, lses, *, out=None):
     only: each sink must be counted once in the union.
 
     The weights and the sum are computed in float64; the results have the promoted dtype of the
-    inputs (float32 stays float32, float16 computes as float32). ``out`` receives the output:
+    inputs (float32 stays float32, float16 and bfloat16 compute as float32). ``out`` receives the output:
     exactly its shape and dtype, any strides. The lse is always newly allocated.
     """
     outs, ls, lead, lq, ev, dtype = _checked(outputs, lses)
@@ -103,7 +104,7 @@ def _checked(outputs, lses):
         lead = broadcast_shapes(*(o.shape[:-2] for o in outs), *(x.shape[:-1] for x in ls))
     except ValueError:
         raise ValueError(f"the leading axes of {seen_o} and {seen_l} are not broadcastable") from None
-    dtype = _F64 if np.result_type(*outs, *ls) == _F64 else _F32
+    dtype = compute_dtype(*outs, *ls)  # (float16 and bfloat16 compute as float32)
     return outs, ls, lead, lq, ev, dtype
 
 

@@ -247,6 +247,7 @@ class MultiHeadAttention:
         return self.kdim == self.embed_dim and self.vdim == self.embed_dim and self.num_kv_heads == self.num_heads
 
     def num_parameters(self) -> int:
+        """The number of weights and biases the layer holds (the sizes of its state_dict's arrays)."""
         return sum(int(v.size) for v in self.state_dict().values())
 
     def __call__(self, query, key=None, value=None, *, attn_mask=None, key_padding_mask=None, is_causal=False,

@@ -43,17 +43,18 @@ def as_array(x, name: str) -> np.ndarray:
 
 
 def is_float_dtype(dt: np.dtype) -> bool:
-    """Real floating point, bfloat16 included (ml_dtypes' bfloat16 has kind "V")."""
-    return dt.kind == "f" or dt.name == "bfloat16"
+    """Real floating point of at most 8 bytes, bfloat16 included (ml_dtypes' bfloat16 has kind
+    "V"); extended precision (np.longdouble) is not: no argument takes it."""
+    return (dt.kind == "f" and dt.itemsize <= 8) or dt.name == "bfloat16"
 
 
 def float_array(x, name: str) -> np.ndarray:
     """``np.asarray(x)``, refusing anything but real floating point (bfloat16 included)."""
     a = as_array(x, name)
+    if a.dtype.kind == "f" and a.dtype.itemsize > 8:
+        raise TypeError(f"{name}: dtype {a.dtype} is not supported (use float32 or float64)")
     if not is_float_dtype(a.dtype):
         raise TypeError(f"{name} must be a float32 or float64 array; got dtype {a.dtype}")
-    if a.dtype.itemsize > 8:
-        raise TypeError(f"{name}: dtype {a.dtype} is not supported (use float32 or float64)")
     return a
 
 
@@ -270,7 +271,7 @@ def mask_array(mask, name: str, dtype: np.dtype):
         return 1, m.view(np.uint8)
     if is_float_dtype(m.dtype):
         return 2, cast(m, dtype)
-    raise TypeError(f"{name} must be a bool or float array; got dtype {m.dtype}")
+    raise TypeError(f"{name} must be a bool or float array (float16, bfloat16, float32, float64); got dtype {m.dtype}")
 
 
 def positive_int(n, name: str) -> int:

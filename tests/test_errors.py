@@ -568,3 +568,22 @@ def test_masked_arrays_with_masked_entries_are_refused():
     for name, call in calls.items():
         with pytest.raises(TypeError, match=rf"{name} is a masked array with masked entries.*{name}\.filled"):
             call()
+
+
+@pytest.mark.parametrize("arg", ["attn_mask", "alibi_slopes", "sinks", "softmax_mask", "key_padding_mask"])
+def test_extended_precision_arguments_are_refused(arg):
+    """np.longdouble is refused in every array argument, as api.md says for inputs (a longdouble
+    mask, slope or sink was cast down silently)."""
+    q = np.ones((1, 2, 4, 8), np.float32)
+    ld = np.longdouble
+    with pytest.raises(TypeError, match="float128|longdouble|float96"):
+        if arg == "attn_mask":
+            pyattn.scaled_dot_product_attention(q, q, q, np.zeros((4, 4), ld))
+        elif arg == "softmax_mask":
+            pyattn.softmax(q, mask=np.zeros(8, ld))
+        elif arg == "key_padding_mask":
+            mha = pyattn.MultiHeadAttention(8, 2)
+            x = np.ones((1, 4, 8), np.float32)
+            mha(x, key_padding_mask=np.zeros((1, 4), ld))
+        else:
+            pyattn.scaled_dot_product_attention(q, q, q, **{arg: np.zeros(2, ld)})

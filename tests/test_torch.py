@@ -394,8 +394,20 @@ def test_torch_tensors_in_merge_and_state_dicts():
         pyattn.merge_attention_states([outs[0], outs[1].clone().requires_grad_(True)], lses)
     with pytest.raises(ValueError, match=r"lses is a torch tensor on meta.*lses\.cpu\(\)"):
         pyattn.merge_attention_states(torch.stack(outs), torch.empty(2, 2, 3, device="meta"))
-    with pytest.raises(TypeError, match=r"outputs\[0\] must be a float32 or float64 array; got dtype bfloat16"):
-        pyattn.merge_attention_states([o.to(torch.bfloat16) for o in outs], lses)
+    # bfloat16 computes as float32, as float16 does and as everywhere else (refused before)
+    half = [o.to(torch.bfloat16) for o in outs]
+    got = pyattn.merge_attention_states(half, [x.to(torch.bfloat16) for x in lses])
+    want = pyattn.merge_attention_states(
+        [o.float().numpy() for o in half], [x.to(torch.bfloat16).float().numpy() for x in lses]
+    )
+    assert got[0].dtype == np.float32 and got[1].dtype == np.float32
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(
+        TypeError,
+        match=r"outputs\[0\] must be a float array \(float16, bfloat16, float32 or float64\); got dtype int64",
+    ):
+        pyattn.merge_attention_states([o.to(torch.int64) for o in outs], lses)
     m = torch.nn.MultiheadAttention(8, 2).to(torch.bfloat16)
     p = pyattn.MultiHeadAttention(8, 2)
     p.load_state_dict(m.state_dict())
