@@ -332,10 +332,9 @@ def matmul(a, b, *, out=None):
         final = final[:-2] + final[-1:]
     if y.ndim == 1:
         final = final[:-1]
-    if out is not None:
-        check_out(out, final, dtype)
-    direct = out is not None and out.shape == full and writable_in_place(out) and not overlaps(out, x, y)
-    c = out if direct else np.empty(full, dtype)
+    ov = check_out(out, final, dtype) if out is not None else None  # written through; out is returned
+    direct = ov is not None and ov.shape == full and writable_in_place(ov) and not overlaps(ov, x, y)
+    c = ov if direct else np.empty(full, dtype)
     xa = strided_ok(broadcast(cast(xa, dtype), batch + (m, k)))
     yb = strided_ok(broadcast(cast(yb, dtype), batch + (k, n)))
     nl = len(batch)
@@ -349,7 +348,7 @@ def matmul(a, b, *, out=None):
     )  # fmt: skip
     if out is not None:
         if not direct:
-            out[...] = c.reshape(final)
+            ov[...] = c.reshape(final)
         return out
     return c.reshape(final)[()]  # 1-D @ 1-D: a NumPy scalar, as np.matmul gives
 

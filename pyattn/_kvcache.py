@@ -21,6 +21,7 @@ from ._validate import (
     F64,
     alibi_span,
     as_array,
+    base_view,
     check_out,
     compute_dtype,
     float_array,
@@ -202,6 +203,10 @@ def _cache_attention(
     for c, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
         if not isinstance(c, np.ndarray):
             raise TypeError(f"{name} must be a numpy.ndarray (written in place); got {type(c).__name__}")
+    # Written and read through views of their own (the caller's memory): the shapes checked below
+    # stay those the core is given, though cache_lens' or k_new's __array__ reshapes the caches
+    k_cache, v_cache = base_view(k_cache), base_view(v_cache)
+    for c, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
         if c.ndim != 4:
             raise ValueError(
                 f"{name} must be 4-D ((B, Hkv, Lmax, D) or (num_blocks, Hkv, block_size, D)); got {c.shape}"
@@ -253,8 +258,9 @@ def _cache_attention(
     ksl = vsl = None
     if kv_type == 3:
         for s, c, name in ((k_scale, k_cache, "k_scale"), (v_scale, v_cache, "v_scale")):
-            if not isinstance(s, np.ndarray) or s.dtype != F32 or s.shape != c.shape[:3]:
+            if not isinstance(s, np.ndarray) or s.dtype != F32 or base_view(s).shape != c.shape[:3]:
                 raise ValueError(f"{name} must be a float32 array of shape {c.shape[:3]} for an int8 cache")
+        k_scale, v_scale = base_view(k_scale), base_view(v_scale)
         ksl = _Layout(k_scale, table, B, "k_scale")  # the scales are laid out like the cache without its last axis
         vsl = _Layout(v_scale, table, B, "v_scale")
     elif k_scale is not None or v_scale is not None:
@@ -286,6 +292,7 @@ def _cache_attention(
             raise ValueError(f"block_table names a block outside [0, {k_cache.shape[0]}) for the tokens it must hold")
     win_left, win_right = window_sides(window)
     cap = softcap_value(softcap)
+    causal = bool(is_causal)  # (before anything is written: an array's bool() raises)
     lead = (B, Hq)
     slopes = per_head(alibi_slopes, "alibi_slopes", lead, dtype)
     alibi_span(slopes, int(keys.max(initial=0)) + Lq, dtype)
@@ -358,7 +365,7 @@ def _cache_attention(
             0, 0,  # m_rs, m_cs
             lse, lseoff, 1,  # lse, lseoff, lse_s
             None, None, 0,  # weights, woff, w_rs
-            scale, bool(is_causal), True,  # scale, causal, bottom_right
+            scale, causal, True,  # scale, causal, bottom_right
             cap, slopes, sink, win_left, win_right,  # softcap, alibi, sinks, win_left, win_right
             kv_lens, kv_type,  # kv_lens, kv_type
             q_lens, table, bt_off,  # q_lens, block_table, bt_off

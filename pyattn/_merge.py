@@ -69,10 +69,9 @@ def merge_attention_states(outputs, lses, *, out=None):
     exactly its shape and dtype, any strides. The lse is always newly allocated.
     """
     outs, ls, lead, lq, ev, dtype = _checked(outputs, lses)
-    if out is not None:
-        check_out(out, lead + (lq, ev), dtype)
-    res, lse = _merge(outs, ls, lead, lq, ev, dtype, out)
-    return res, lse.astype(dtype, copy=False)
+    ov = check_out(out, lead + (lq, ev), dtype) if out is not None else None  # written through
+    res, lse = _merge(outs, ls, lead, lq, ev, dtype, ov)
+    return (res if out is None else out), lse.astype(dtype, copy=False)
 
 
 def _checked(outputs, lses):

@@ -36,10 +36,16 @@ def as_array(x, name: str) -> np.ndarray:
         if type(x).__module__.split(".")[0] != "torch":
             raise
         return _torch_array(x, name, exc)
-    # The caller's own array is read through a view of it: a shape checked here stays the shape
-    # the core is given, though code the call runs later (an argument's __array__ or __float__)
-    # reshapes the caller's array in place (x.shape = ...), which would have the core read past it.
-    return a.view() if a is x else a
+    # Read through a view of its own: a shape checked here stays the shape the core is given,
+    # though code the call runs later (another argument's __array__ or __float__) reshapes the
+    # array in place (x.shape = ...): the caller's, or one its __array__ returned and kept.
+    return a.view()
+
+
+def base_view(a: np.ndarray) -> np.ndarray:
+    """A plain-ndarray view of ``a`` (its memory, its real shape and strides: a subclass may
+    answer ``shape`` otherwise), whose shape no other code holds to change."""
+    return np.ndarray.view(a, np.ndarray)
 
 
 def is_float_dtype(dt: np.dtype) -> bool:
@@ -206,11 +212,13 @@ def broadcast_lead(shapes, names, what: str) -> tuple:
 
 
 def check_out(out, shape: tuple, dtype: np.dtype, name: str = "out") -> np.ndarray:
-    """A view of ``out`` once checked: the call writes through it (and reads its shape and strides
-    from it), so code run later in the call (an argument's __array__ or __float__) reshaping the
-    caller's array does not move what was checked; the call returns ``out`` itself."""
+    """A plain-ndarray view of ``out``, checked: the call writes through it (and reads its shape
+    and strides from it), so code run later in the call (an argument's __array__ or __float__)
+    reshaping the caller's array does not move what was checked, and a subclass's own ``shape``
+    is not what is checked; the call returns ``out`` itself."""
     if not isinstance(out, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray; got {type(out).__name__}")
+    out = base_view(out)
     if out.shape != tuple(shape):
         raise ValueError(f"{name} has shape {out.shape}; expected {tuple(shape)}")
     if out.dtype != dtype:

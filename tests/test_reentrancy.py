@@ -220,3 +220,84 @@ def test_cache_entered_from_its_own_attend_raises(inner):
     )
     assert code == 0, (code, out, err)
     assert "raised 1 True [1] (1, 1, 1, 4)" in out and "after [0] (1, 1, 1, 4) [1]" in out, (out, err)
+
+
+def test_array_kept_by_its_wrapper_reshaped_after_its_check():
+    """An __array__ that hands back an array it keeps (pandas, xarray): another argument's
+    __array__ reshaped that array after its check (a write of 16 MB past a 16 KB output)."""
+    code, out, err = run_python(
+        """
+        import numpy as np, pyattn
+        class Held:
+            def __init__(self, a): self.a = a
+            def __array__(self, dtype=None, copy=None): return self.a
+        x = Held(np.zeros((1, 4096), np.float32))
+        class M:
+            def __array__(self, dtype=None, copy=None):
+                x.a.shape = (4096, 1)
+                return np.ones((1, 1), bool)
+        r = pyattn.softmax(x, axis=0, mask=M())
+        print("ok", r.shape, bool((r == 1).all()))
+        """
+    )
+    assert code == 0 and "ok (1, 4096) True" in out, (code, out, err)
+
+
+def test_paged_cache_reshaped_by_cache_lens():
+    """The block check read the reshaped pool's length while the core kept the strides taken
+    before: a block far past the pool passed (a read 128 MB past it). The caches are views."""
+    kc = np.zeros((2, 1, 1024, 16), np.float32)
+    vc = np.zeros_like(kc)
+
+    class Lens:
+        def __array__(self, dtype=None, copy=None):
+            kc.shape = vc.shape = (2048, 1, 1, 16)
+            return np.array([1], np.int64)
+
+    q = np.zeros((1, 1, 1, 16), np.float32)
+    with pytest.raises(ValueError, match=r"block_table names a block outside \[0, 2\)"):
+        pyattn.kvcache_attention(q, kc, vc, Lens(), block_table=np.array([[2047]], np.int32))
+
+
+class _LyingShape(np.ndarray):
+    @property
+    def shape(self):
+        return self._said
+
+
+@pytest.mark.parametrize("call", ["sdpa", "matmul", "merge", "kvcache_out", "kvcache_cache"])
+def test_ndarray_subclass_whose_shape_lies(call):
+    """An out (or cache) subclass answering another shape than its memory's: checked on its
+    real shape now (the core wrote past the 8 floats it held)."""
+    base = np.zeros(8192, np.float32)
+    small = base[:8].reshape(1, 1, 1, 8).view(_LyingShape)
+    q = np.ones((1, 4, 16, 8), np.float32)
+    with pytest.raises(ValueError):
+        if call == "sdpa":
+            small._said = (1, 4, 16, 8)
+            pyattn.scaled_dot_product_attention(q, q, q, out=small)
+        elif call == "matmul":
+            small._said = (4, 16, 16)
+            a = np.ones((4, 16, 16), np.float32)
+            pyattn.matmul(a, a, out=small)
+        elif call == "merge":
+            small._said = (4, 16, 8)
+            pyattn.merge_attention_states(q, np.zeros((1, 4, 16), np.float32), out=small)
+        elif call == "kvcache_out":
+            small._said = (1, 4, 16, 8)
+            cache = np.zeros((1, 4, 16, 8), np.float32)
+            pyattn.kvcache_attention(q, cache, cache.copy(), np.array([16]), out=small, window=(4, 0))
+        else:
+            small._said = (1, 4, 64, 8)
+            pyattn.kvcache_attention(q, small, np.zeros((1, 4, 64, 8), np.float32), np.array([0]), k_new=q, v_new=q)
+    assert not base[8:].any()
+
+
+def test_kvcache_is_causal_checked_before_the_write():
+    """is_causal's bool() was taken after the new tokens were written."""
+    kc = np.zeros((1, 1, 8, 4), np.float32)
+    vc = np.zeros_like(kc)
+    q = np.ones((1, 1, 1, 4), np.float32)
+    with pytest.raises(ValueError, match="truth value"):
+        pyattn.kvcache_attention(q, kc, vc, np.array([0]), k_new=q, v_new=q, is_causal=np.array([True, True]))
+    assert not kc.any() and not vc.any()
