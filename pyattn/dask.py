@@ -573,6 +573,10 @@ def scaled_dot_product_attention(
     q = _whole_last(_align(q, n + 2), "query")
     k = _whole_last(_align(k, n + 2), "key")
     v = _whole_last(_align(v, n + 2), "value")
+    if enable_gqa and group == 1 and n and q.shape[n - 1] == k.shape[n - 1] == v.shape[n - 1]:
+        # Hq == Hkv: query head h reads kv head h, so query heads chunked freely (as GQA's may
+        # be) take the kv heads in the same chunks (a rechunk along the heads: no copy of a head)
+        k, v = (x if x.chunks[n - 1] == q.chunks[n - 1] else x.rechunk({n - 1: q.chunks[n - 1]}) for x in (k, v))
 
     # Output chunks: query's along its axes, key's along Lk, the others' where the query is broadcast.
     out_chunks = []

@@ -186,6 +186,17 @@ def test_gqa_head_chunks(client, hq_chunks, hkv_chunks):
     _verify(client, cases)
 
 
+@pytest.mark.parametrize("hq_chunks,hkv_chunks", [((1, 3), (2, 2)), ((4,), (1, 1, 1, 1)), ((1, 1, 2), (3, 1))])
+def test_gqa_head_chunks_of_equal_head_counts(client, hq_chunks, hkv_chunks):
+    """enable_gqa with Hq == Hkv: the query heads chunked freely too (a ValueError asking for a
+    rechunk before); the kv heads follow the query's chunks."""
+    q, k, v = _qkv((2, 4, 12, 8), (2, 4, 20, 8), seed=7)
+    cases = {
+        "gqa1": _case(q, k, v, (1, hq_chunks, 12, 8), (1, hkv_chunks, (8, 12), 8), enable_gqa=True, is_causal=True)
+    }
+    _verify(client, cases)
+
+
 def test_broadcast_leading_axes(client):
     q, k, v = _qkv((3, 4, 24, 8), (1, 4, 40, 8), seed=6)
     k3, v3 = k.repeat(3, 0), v.repeat(3, 0)
