@@ -110,9 +110,10 @@ def _slice_axis(x, axis: int, start: int, stop: int):
     return x[tuple(idx)]
 
 
-def _lead(q, k, v, p: "_Piece") -> tuple:
-    """The output's leading axes (heads included) of a call on these blocks."""
-    if p.group > 1:
+def _lead(q, k, v, p: "_Piece", gathered: bool = False) -> tuple:
+    """The output's leading axes (heads included) of a call on these blocks (gathered: the kv
+    head blocks a task's query heads read, as many heads or not)."""
+    if p.group > 1 or gathered:
         return np.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]) + (q.shape[-3],)
     return np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
 
@@ -340,7 +341,7 @@ def _block_task(p: _Piece, blk: _Block, q, ks, vs, m):
     k = ks[0] if len(ks) == 1 else np.concatenate(ks, axis=-3)
     v = vs[0] if len(vs) == 1 else np.concatenate(vs, axis=-3)
     if isinstance(blk.d, np.ndarray):  # one offset per sequence: each sequence on its own
-        lead = blk.d.shape + _lead(q, k, v, p)[blk.d.ndim :]
+        lead = blk.d.shape + _lead(q, k, v, p, blk.q_heads is not None)[blk.d.ndim :]
         out, lse = _empty_state(lead, q.shape[-2], p)
         for b in np.ndindex(*blk.d.shape):
             one = _Block(int(blk.d[b]), blk.q_heads, blk.kv_base, _entry(blk.slopes, b), None, _entry(blk.kv_lens, b))
@@ -353,7 +354,7 @@ def _block_task(p: _Piece, blk: _Block, q, ks, vs, m):
     else:
         h0, h1 = blk.q_heads
         g = p.group
-        out, lse = _empty_state(_lead(q, k, v, p), q.shape[-2], p)
+        out, lse = _empty_state(_lead(q, k, v, p, True), q.shape[-2], p)
         for s, e in _gqa_runs(h0, h1, g):
             k0, k1 = s // g - blk.kv_base, (e - 1) // g + 1 - blk.kv_base
             mh = _slice_axis(m, -3, s - h0, e - h0) if m is not None and m.ndim >= 3 else m
@@ -558,6 +559,9 @@ def scaled_dot_product_attention(
 
     Hq, Hkv = (q.shape[-3], k.shape[-3]) if enable_gqa else (1, 1)
     group = Hq // Hkv if enable_gqa and Hkv and Hq != Hkv else 1
+    # With enable_gqa the query heads are chunked freely and each task gathers the kv head blocks
+    # they read, groups of one (Hq == Hkv) too
+    gather = enable_gqa and Hkv > 0
     win_l, win_r = window_sides(window)
     L = None if win_l == NO_LIMIT else win_l
     R = None if win_r == NO_LIMIT else win_r
@@ -573,16 +577,12 @@ def scaled_dot_product_attention(
     q = _whole_last(_align(q, n + 2), "query")
     k = _whole_last(_align(k, n + 2), "key")
     v = _whole_last(_align(v, n + 2), "value")
-    if enable_gqa and group == 1 and n and q.shape[n - 1] == k.shape[n - 1] == v.shape[n - 1]:
-        # Hq == Hkv: query head h reads kv head h, so query heads chunked freely (as GQA's may
-        # be) take the kv heads in the same chunks (a rechunk along the heads: no copy of a head)
-        k, v = (x if x.chunks[n - 1] == q.chunks[n - 1] else x.rechunk({n - 1: q.chunks[n - 1]}) for x in (k, v))
 
     # Output chunks: query's along its axes, key's along Lk, the others' where the query is broadcast.
     out_chunks = []
     for t in range(n):
         cands = [x for x in (q, k, v) if x.shape[t] == lead[t]]
-        if group > 1 and t == n - 1:
+        if gather and t == n - 1:
             cands = [q]
         if isinstance(m, da.Array) and _align(m, n + 2).shape[t] == lead[t]:
             cands.append(_align(m, n + 2))
@@ -595,7 +595,7 @@ def scaled_dot_product_attention(
         m = _align(m, n + 2)
     names = (("query", q), ("key", k), ("value", v), ("attn_mask", m))
     for t in range(n):
-        if group > 1 and t == n - 1:
+        if gather and t == n - 1:
             _check_chunks(tuple(out_chunks[t]), [("query", q), ("attn_mask", m)], t, "the query heads", shapes)
             if k.chunks[t] != v.chunks[t]:
                 raise ValueError(
@@ -637,14 +637,14 @@ def scaled_dot_product_attention(
     block_dsk, merge_dsk, empty_dsk, out_dsk, lse_dsk = {}, {}, {}, {}, {}
     lead_bounds = [_bounds(c) for c in out_chunks]
     qb, kb = _bounds(q_chunks), _bounds(k_chunks)
-    kv_head_bounds = _bounds(k.chunks[n - 1]) if group > 1 else None
+    kv_head_bounds = _bounds(k.chunks[n - 1]) if gather else None
     merge_fn = functools.partial(_merge_task, np.dtype(dtype))
 
     def in_index(x, lidx, tail):
         return tuple(0 if x.shape[t] == 1 and lead[t] != 1 else lidx[t] for t in range(n)) + tail
 
     def kv_keys(x, lidx, j, kv_idx=None):
-        if group > 1:  # the kv head blocks that the chunk's query heads read
+        if gather:  # the kv head blocks that the chunk's query heads read
             return [(x.name,) + in_index(x, lidx, ())[:-1] + (h, j, 0) for h in kv_idx]
         return [(x.name,) + in_index(x, lidx, (j, 0))]
 
@@ -655,7 +655,7 @@ def scaled_dot_product_attention(
         blk_lens = None if lens is None else np.array(lens[sl[:-1]])
         blk_lead = tuple(b - a for a, b in (lead_bounds[t][lidx[t]] for t in range(n)))
         q_heads, kv_idx, kv_base = None, None, 0
-        if group > 1:
+        if gather:
             h0, h1 = lead_bounds[n - 1][lidx[n - 1]]
             q_heads = (h0, h1)
             lo, hi = h0 // group, (h1 - 1) // group + 1 if h1 > h0 else h0 // group + 1
