@@ -165,7 +165,7 @@ def scaled_dot_product_attention(
         kv_lead = lead
 
     out_shape = lead + (Lq, Ev)
-    ov = check_out(out, out_shape, dtype) if out is not None else None  # written through; out is returned
+    ov = check_out(out, out_shape, dtype)  # written through; out is returned
     scale = scale_value(scale, E)
     kernel_factors(scale, cap, dtype)
 
@@ -332,7 +332,7 @@ def matmul(a, b, *, out=None):
         final = final[:-2] + final[-1:]
     if y.ndim == 1:
         final = final[:-1]
-    ov = check_out(out, final, dtype) if out is not None else None  # written through; out is returned
+    ov = check_out(out, final, dtype)  # written through; out is returned
     direct = ov is not None and ov.shape == full and writable_in_place(ov) and not overlaps(ov, x, y)
     c = ov if direct else np.empty(full, dtype)
     xa = strided_ok(broadcast(cast(xa, dtype), batch + (m, k)))

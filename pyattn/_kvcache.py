@@ -258,9 +258,12 @@ def _cache_attention(
     ksl = vsl = None
     if kv_type == 3:
         for s, c, name in ((k_scale, k_cache, "k_scale"), (v_scale, v_cache, "v_scale")):
-            if not isinstance(s, np.ndarray) or s.dtype != F32 or base_view(s).shape != c.shape[:3]:
+            if not isinstance(s, np.ndarray):
                 raise ValueError(f"{name} must be a float32 array of shape {c.shape[:3]} for an int8 cache")
-        k_scale, v_scale = base_view(k_scale), base_view(v_scale)
+        k_scale, v_scale = base_view(k_scale), base_view(v_scale)  # (as the caches: views of their own)
+        for s, c, name in ((k_scale, k_cache, "k_scale"), (v_scale, v_cache, "v_scale")):
+            if s.dtype != F32 or s.shape != c.shape[:3]:
+                raise ValueError(f"{name} must be a float32 array of shape {c.shape[:3]} for an int8 cache")
         ksl = _Layout(k_scale, table, B, "k_scale")  # the scales are laid out like the cache without its last axis
         vsl = _Layout(v_scale, table, B, "v_scale")
     elif k_scale is not None or v_scale is not None:
@@ -297,7 +300,7 @@ def _cache_attention(
     slopes = per_head(alibi_slopes, "alibi_slopes", lead, dtype)
     alibi_span(slopes, int(keys.max(initial=0)) + Lq, dtype)
     sink = per_head(sinks, "sinks", lead, dtype)
-    ov = check_out(out, (B, Hq, Lq, Ev), dtype) if out is not None else None  # written through; out is returned
+    ov = check_out(out, (B, Hq, Lq, Ev), dtype)  # written through; out is returned
     scale = scale_value(scale, E)
     kernel_factors(scale, cap, dtype)
     if counts is not None:
@@ -543,16 +546,21 @@ class KVCache:
         self._busy = False
         _CACHES.add(self)
 
-    def reset(self, rows=None):
-        """Empty the given sequences (all when None); a paged cache frees their blocks for reuse."""
+    def _exclusive(self, what: str, fn, *args):
+        """fn(*args) under the cache's lock, refusing a call from inside this cache's own attend
+        or reset (the RLock lets that thread in: _busy tells it apart)."""
         with self._lock:
             if self._busy:
-                raise _nested("reset")
+                raise _nested(what)
             self._busy = True
             try:
-                self._reset(rows)
+                return fn(*args)
             finally:
                 self._busy = False
+
+    def reset(self, rows=None):
+        """Empty the given sequences (all when None); a paged cache frees their blocks for reuse."""
+        self._exclusive("reset", self._reset, rows)
 
     def _reset(self, rows):
         idx = np.arange(self.batch) if rows is None else np.atleast_1d(np.asarray(rows))
@@ -635,14 +643,7 @@ class KVCache:
         sequence b appends only its first ``new_lens[b]`` tokens (a ragged prefill in one padded
         call): its query rows past them are padding and come back as zeros. ``variants``: scale,
         is_causal, window, softcap, alibi_slopes, sinks, return_lse, out."""
-        with self._lock:
-            if self._busy:
-                raise _nested("attend")
-            self._busy = True
-            try:
-                return self._attend(query, k_new, v_new, new_lens, variants)
-            finally:
-                self._busy = False
+        return self._exclusive("attend", self._attend, query, k_new, v_new, new_lens, variants)
 
     def _attend(self, query, k_new, v_new, new_lens, variants):
         # Converted once: the tokens counted here are those written (an array-like whose
@@ -763,7 +764,7 @@ def varlen_attention(
     if slopes is not None:
         alibi_span(slopes, int(np.max(ql + kl, initial=0)), dtype)
     sink = per_head(sinks, "sinks", (Hq,), dtype)
-    ov = check_out(out, (Tq, Hq, Ev), dtype) if out is not None else None  # written through; out is returned
+    ov = check_out(out, (Tq, Hq, Ev), dtype)  # written through; out is returned
     scale = scale_value(scale, E)
     kernel_factors(scale, cap, dtype)
     # The kernel writes every row of every sequence, output and lse (zeros and -inf, or the sink,

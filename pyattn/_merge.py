@@ -69,7 +69,7 @@ def merge_attention_states(outputs, lses, *, out=None):
     exactly its shape and dtype, any strides. The lse is always newly allocated.
     """
     outs, ls, lead, lq, ev, dtype = _checked(outputs, lses)
-    ov = check_out(out, lead + (lq, ev), dtype) if out is not None else None  # written through
+    ov = check_out(out, lead + (lq, ev), dtype)  # written through; out is returned
     res, lse = _merge(outs, ls, lead, lq, ev, dtype, ov)
     return (res if out is None else out), lse.astype(dtype, copy=False)
 

@@ -211,11 +211,13 @@ def broadcast_lead(shapes, names, what: str) -> tuple:
         raise ValueError(f"{what}: batch dimensions are not broadcastable ({seen})") from None
 
 
-def check_out(out, shape: tuple, dtype: np.dtype, name: str = "out") -> np.ndarray:
-    """A plain-ndarray view of ``out``, checked: the call writes through it (and reads its shape
-    and strides from it), so code run later in the call (an argument's __array__ or __float__)
-    reshaping the caller's array does not move what was checked, and a subclass's own ``shape``
-    is not what is checked; the call returns ``out`` itself."""
+def check_out(out, shape: tuple, dtype: np.dtype, name: str = "out"):
+    """A plain-ndarray view of ``out``, checked (None for None): the call writes through it (and
+    reads its shape and strides from it), so code run later in the call (an argument's __array__
+    or __float__) reshaping the caller's array does not move what was checked, and a subclass's
+    own ``shape`` is not what is checked; the call returns ``out`` itself."""
+    if out is None:
+        return None
     if not isinstance(out, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray; got {type(out).__name__}")
     out = base_view(out)
@@ -225,7 +227,7 @@ def check_out(out, shape: tuple, dtype: np.dtype, name: str = "out") -> np.ndarr
         raise TypeError(f"{name} has dtype {out.dtype}; expected {dtype}")
     if not out.flags.writeable:
         raise ValueError(f"{name} is read-only")
-    return out.view()
+    return out
 
 
 def _real(x) -> bool:

@@ -352,20 +352,20 @@ def merge_attention_states(outputs, lses):
     """
     outs = [_f64(o) for o in outputs]
     ls = [_f64(x) for x in lses]
-    stacked = np.stack(np.broadcast_arrays(*ls))
-    lse = logsumexp(stacked, axis=0)
-    # The weights exp(lse_n - lse), as exp(lse_n - top) over their sum: lse itself rounds off the
-    # log of a sum of n terms where |lse| is large (1e16: equal states each weighed 1, not 1/n)
-    top = np.max(stacked, axis=0)
+    # The weights exp(lse_n - lse), as exp(lse_n - top) over their sum (logsumexp's own terms):
+    # lse itself rounds off the log of a sum of n terms where |lse| is large (1e16: equal states
+    # each weighed 1, not 1/n)
+    top = np.max(np.stack(np.broadcast_arrays(*ls)), axis=0)
     top_safe = np.where(np.isinf(top), 0.0, top)
     out, total = 0.0, 0.0
     for o, x in zip(outs, ls):
         # (invalid: inf - inf beside a +inf state, replaced below; 0 * inf in an empty state, discarded)
         with np.errstate(invalid="ignore", over="ignore"):
-            w = np.where(np.isneginf(x), 0.0, np.exp(x - top_safe))
+            w = np.exp(x - top_safe)  # (0 for an empty state)
             out = out + np.where(np.isneginf(x)[..., None], 0.0, w[..., None] * o)  # empty: contributes nothing
             total = total + w
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", divide="ignore"):
+        lse = top_safe + np.log(total)  # = logsumexp over the states
         out = out / np.where(total == 0, 1.0, total)[..., None]  # every state empty: zeros
     n_inf = sum(np.isposinf(x).astype(np.int64) for x in ls)
     any_nan = sum(np.isnan(x).astype(np.int64) for x in ls) > 0
