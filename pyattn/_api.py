@@ -68,6 +68,16 @@ if _env_isa and _env_isa not in _core.available_isas():
         RuntimeWarning,
         stacklevel=2,
     )
+# The core reads exactly "0" or "1" and takes anything else as unset: say so rather than let
+# "false" or "off" leave the default (prefetches on, off Intel) in place without a word.
+_env_prefetch = os.environ.get("PYATTN_DECODE_PREFETCH")
+if _env_prefetch and _env_prefetch not in ("0", "1"):
+    warnings.warn(
+        f"PYATTN_DECODE_PREFETCH={_env_prefetch!r} is neither '0' nor '1' and is ignored "
+        "(show_config() reports the default in use)",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 # ----------------------------------------------------------------------------- attention

@@ -208,6 +208,43 @@ def test_env_var_unknown_isa_still_imports():
     ), out["warnings"]
 
 
+@pytest.mark.parametrize("value", ["false", "off", "2", " 1", "01"])
+def test_env_var_decode_prefetch_other_values_warn(value):
+    """PYATTN_DECODE_PREFETCH takes '0' or '1'; any other value leaves the default in place, and
+    says so at import (a RuntimeWarning naming the variable and the value) instead of silently."""
+    code = (
+        "import io, json, warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import pyattn\n"
+        "flag = pyattn.show_config(file=io.StringIO())['decode_prefetch']\n"
+        "print(json.dumps({'flag': flag, 'warnings': [[w.category.__name__, str(w.message)] for w in caught]}))\n"
+    )
+
+    def run(setting):
+        env = {k: v for k, v in os.environ.items() if k != "PYATTN_DECODE_PREFETCH"}
+        if setting is not None:
+            env["PYATTN_DECODE_PREFETCH"] = setting
+        res = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            timeout=120,
+        )
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    got, unset = run(value), run(None)
+    assert got["flag"] is unset["flag"]  # ignored: the CPU's default
+    assert unset["warnings"] == []
+    named = [msg for cat, msg in got["warnings"] if cat == "RuntimeWarning" and "PYATTN_DECODE_PREFETCH" in msg]
+    assert any(repr(value) in msg for msg in named), got["warnings"]
+    for ok in ("0", "1", ""):
+        assert run(ok)["warnings"] == [], ok
+
+
 def test_num_threads_restores_an_unset_count():
     """After ``with num_threads(k)`` an unset thread count is unset again, so OpenMP's count (and
     threadpoolctl's limits on it) reach pyattn as before; an explicit count comes back as it was."""
