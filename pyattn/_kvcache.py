@@ -200,9 +200,15 @@ def _cache_attention(
     if q.ndim != 4:
         raise ValueError(f"query must be (B, Hq, Lq, E); got shape {q.shape}")
     B, Hq, Lq, E = q.shape
-    for c, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
-        if not isinstance(c, np.ndarray):
-            raise TypeError(f"{name} must be a numpy.ndarray (written in place); got {type(c).__name__}")
+    # A cache written in place must be the caller's ndarray; one only read may be anything
+    # np.asarray takes (a torch tensor, a list), as every other array argument.
+    writes = k_new is not None or v_new is not None
+    if writes:
+        for c, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+            if not isinstance(c, np.ndarray):
+                raise TypeError(f"{name} must be a numpy.ndarray (written in place); got {type(c).__name__}")
+    else:
+        k_cache, v_cache = as_array(k_cache, "k_cache"), as_array(v_cache, "v_cache")
     # Written and read through views of their own (the caller's memory): the shapes checked below
     # stay those the core is given, though cache_lens' or k_new's __array__ reshapes the caches
     k_cache, v_cache = base_view(k_cache), base_view(v_cache)
@@ -237,7 +243,7 @@ def _cache_attention(
         # finds row b at b * max_blocks (a Fortran-ordered table was read across its rows).
         t = np.array(t, order="C")
         table = t if t.dtype == np.int32 else t.astype(np.int32)
-    if k_new is None and v_new is None:
+    if not writes:
         # Nothing is written: a cache whose feature axis is strided is read through a copy, as
         # scaled_dot_product_attention copies such an operand (a cache written in place must have
         # that axis contiguous, and _Layout says so).
@@ -257,6 +263,8 @@ def _cache_attention(
 
     ksl = vsl = None
     if kv_type == 3:
+        if not writes and k_scale is not None and v_scale is not None:
+            k_scale, v_scale = as_array(k_scale, "k_scale"), as_array(v_scale, "v_scale")
         for s, c, name in ((k_scale, k_cache, "k_scale"), (v_scale, v_cache, "v_scale")):
             if not isinstance(s, np.ndarray):
                 raise ValueError(f"{name} must be a float32 array of shape {c.shape[:3]} for an int8 cache")

@@ -728,3 +728,45 @@ def test_self_overlapping_written_cache_is_refused_unchanged(which, rng):
         )
     assert _unchanged(before, kc, vc, ks, vs)
     pyattn.kvcache_attention(q, c["k_cache"], c["v_cache"], np.array([2]), k_scale=c["k_scale"], v_scale=c["v_scale"])
+
+
+class _ArrayLike:  # np.asarray takes it; it is no ndarray
+    def __init__(self, a):
+        self.a = a
+
+    def __array__(self, dtype=None, copy=None):
+        return self.a
+
+
+@pytest.mark.parametrize("kind", ["array_like", "torch", "readonly"])
+@pytest.mark.parametrize("cdt", [np.float32, np.int8])
+def test_a_read_only_call_reads_any_array_like_cache(kind, cdt, rng):
+    """A call that writes nothing takes its caches (and int8 scales) as anything np.asarray takes,
+    as every other array argument; the same call with the caches as ndarrays gives the same bits.
+    A call that writes still needs the caller's ndarray (TypeError naming it)."""
+    B, Hkv, L, D = 2, 2, 9, 8
+    kc, vc = rn(rng, (B, Hkv, L, D)), rn(rng, (B, Hkv, L, D))
+    sc = {}
+    if np.dtype(cdt) == np.int8:
+        kc, vc = (np.clip(np.round(a * 40), -127, 127).astype(np.int8) for a in (kc, vc))
+        sc = {"k_scale": np.abs(rn(rng, (B, Hkv, L))) + 0.01, "v_scale": np.abs(rn(rng, (B, Hkv, L))) + 0.01}
+    q, lens = rn(rng, (B, 2 * Hkv, 1, D)), np.array([9, 4])
+    want = pyattn.kvcache_attention(q, kc, vc, lens, **sc)
+    if kind == "array_like":
+        conv = _ArrayLike
+    elif kind == "torch":
+        torch = pytest.importorskip("torch")
+        conv = lambda a: torch.from_numpy(a.copy())  # noqa: E731
+    else:
+
+        def conv(a):
+            a = a.copy()
+            a.flags.writeable = False
+            return a
+
+    got = pyattn.kvcache_attention(q, conv(kc), conv(vc), lens, **{n: conv(s) for n, s in sc.items()})
+    np.testing.assert_array_equal(got, want)
+    if kind != "readonly":
+        kn = rn(rng, (B, Hkv, 1, D))
+        with pytest.raises(TypeError, match="k_cache must be a numpy.ndarray"):
+            pyattn.kvcache_attention(q, conv(kc), conv(vc), np.array([3, 4]), k_new=kn, v_new=kn, **sc)
