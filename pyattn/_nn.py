@@ -320,7 +320,8 @@ class MultiHeadAttention:
         else:
             for name in ("in_proj_bias", "out_proj.bias"):
                 if name in sd and sd.pop(name) is not None:
-                    raise ValueError(f"load_state_dict: {name!r} given but the layer has bias=False")
+                    # an unexpected key, as the docs class it (KeyError), with the reason
+                    raise KeyError(f"load_state_dict: unexpected key {name!r}: the layer has bias=False")
         if sd:
             raise KeyError(f"load_state_dict: unexpected keys {sorted(sd)}")
         self.w_q, self.w_k, self.w_v, self.w_o = (np.ascontiguousarray(x) for x in (wq, wk, wv, wo))
@@ -347,7 +348,7 @@ def sinusoidal_positional_encoding(num_positions, d_model, *, base=10000.0, dtyp
         raise ValueError(f"base must be > 0; got {base}")
     dtype = np.dtype(dtype)
     if not is_float_dtype(dtype):
-        raise TypeError(f"dtype must be a float dtype; got {dtype}")
+        raise TypeError(f"dtype must be float16, bfloat16, float32 or float64; got {dtype}")
     pos = np.arange(num_positions, dtype=np.float64)[:, None]
     i2 = np.arange(0, d_model, 2, dtype=np.float64)
     angle = pos / np.power(float(base), i2 / d_model)

@@ -313,6 +313,24 @@ def test_load_state_dict_missing_key(drop):
         m.load_state_dict(sd)
 
 
+@pytest.mark.parametrize("key", ["in_proj_bias", "out_proj.bias", "foo"])
+def test_load_state_dict_unexpected_key(key):
+    """An unexpected key is a KeyError, as api.md says, a bias given to a bias=False layer too
+    (it was a ValueError), and the layer keeps its weights."""
+    m = pyattn.MultiHeadAttention(8, 2, bias=False, rng=np.random.default_rng(0))
+    before = m.state_dict()
+    sd = pyattn.MultiHeadAttention(8, 2, rng=np.random.default_rng(1)).state_dict()
+    if key == "foo":
+        sd = {k: v for k, v in sd.items() if "bias" not in k}
+        sd["foo"] = np.zeros(3, np.float32)
+    else:
+        sd = {k: v for k, v in sd.items() if "bias" not in k or k == key}
+    with pytest.raises(KeyError, match=key.replace(".", r"\.")):
+        m.load_state_dict(sd)
+    for name, w in m.state_dict().items():
+        np.testing.assert_array_equal(w, before[name])
+
+
 @pytest.mark.parametrize(
     "key,shape",
     [
@@ -452,9 +470,11 @@ def test_softmax_bad_scale(scale):
         pyattn.softmax(np.ones((2, 3), np.float32), scale=scale)
 
 
-def test_sinusoidal_bad_dtype():
-    with pytest.raises(BAD_INPUT, match="dtype"):
-        pyattn.sinusoidal_positional_encoding(4, 4, dtype=np.int32)
+@pytest.mark.parametrize("dtype", [np.int32, np.longdouble, np.complex64])
+def test_sinusoidal_bad_dtype(dtype):
+    """The message names the dtypes taken (it said "a float dtype" to a refused np.longdouble)."""
+    with pytest.raises(TypeError, match="dtype must be float16, bfloat16, float32 or float64; got"):
+        pyattn.sinusoidal_positional_encoding(4, 4, dtype=dtype)
 
 
 AQ, AK = randn(R, (2, 4, 5)), randn(R, (2, 6, 3))
