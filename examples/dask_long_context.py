@@ -45,16 +45,26 @@ def _gib(n):
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
+def _at_least(low):
+    def parse(text):
+        n = int(text)
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}; got {n}")
+        return n
+
+    return parse
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="64K keys in 8 chunks, checked (the CI smoke)")
-    ap.add_argument("--lk", type=int, default=None, help="keys in the context (default 1048576; --quick 65536)")
-    ap.add_argument("--chunk", type=int, default=None, help="keys per chunk (default 32768; --quick 8192)")
-    ap.add_argument("--lq", type=int, default=128, help="query tokens: the end of the context")
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--split-every", type=int, default=4, help="fan-in of the merge tree")
+    ap.add_argument("--lk", type=_at_least(1), help="keys in the context (default 1048576; --quick 65536)")
+    ap.add_argument("--chunk", type=_at_least(1), help="keys per chunk (default 32768; --quick 8192)")
+    ap.add_argument("--lq", type=_at_least(1), default=128, help="query tokens: the end of the context")
+    ap.add_argument("--heads", type=_at_least(1), default=8)
+    ap.add_argument("--head-dim", type=_at_least(1), default=64)
+    ap.add_argument("--workers", type=_at_least(1), default=2)
+    ap.add_argument("--split-every", type=_at_least(2), default=4, help="fan-in of the merge tree")
     ap.add_argument("--scheduler", default=None, help="address of an existing Dask scheduler (default: a LocalCluster)")
     ap.add_argument("--check", action="store_true", help="compare with the single-process call (default with --quick)")
     args = ap.parse_args(argv)
@@ -65,8 +75,8 @@ def main(argv=None):
     import pyattn
     import pyattn.dask
 
-    lk = args.lk or (65536 if args.quick else 1 << 20)
-    chunk = args.chunk or (8192 if args.quick else 32768)
+    lk = args.lk if args.lk is not None else (65536 if args.quick else 1 << 20)
+    chunk = args.chunk if args.chunk is not None else (8192 if args.quick else 32768)
     check = args.check or args.quick
     h, d, lq = args.heads, args.head_dim, args.lq
 

@@ -383,14 +383,24 @@ def full_recompute_logits(cfg: Config, weights: dict, prompts: list, tokens: np.
     return np.stack(rows)
 
 
+def _at_least(low):
+    def parse(text):
+        n = int(text)
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}; got {n}")
+        return n
+
+    return parse
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompt-lens", default="17,40,5,64", help="comma-separated prompt lengths")
-    ap.add_argument("--new-tokens", type=int, default=32, help="tokens to generate per row")
-    ap.add_argument("--layers", type=int, default=Config.n_layers)
-    ap.add_argument("--paged", type=int, metavar="BLOCK_SIZE", help="paged caches, blocks of this many tokens")
+    ap.add_argument("--new-tokens", type=_at_least(1), default=32, help="tokens to generate per row")
+    ap.add_argument("--layers", type=_at_least(1), default=Config.n_layers)
+    ap.add_argument("--paged", type=_at_least(1), metavar="BLOCK_SIZE", help="paged caches, blocks of this many tokens")
     ap.add_argument("--dtype", choices=CACHE_DTYPES, default="float32", help="cache dtype")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=_at_least(0), default=0)
     ap.add_argument(
         "--matmul", choices=("pyattn", "numpy"), default="pyattn", help="the NumPy model's matmul (see NumpyOps)"
     )
@@ -399,9 +409,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     cfg = Config(n_layers=args.layers)
-    lengths = [int(n) for n in args.prompt_lens.split(",")]
-    if min(lengths) < 1 or args.new_tokens < 1:
-        ap.error("prompt lengths and --new-tokens must be >= 1")
+    try:
+        lengths = [int(n) for n in args.prompt_lens.split(",")]
+    except ValueError:
+        ap.error(f"--prompt-lens must be comma-separated integers; got {args.prompt_lens!r}")
+    if min(lengths) < 1:
+        ap.error("prompt lengths must be >= 1")
     max_len = max(lengths) + args.new_tokens  # the most any row holds, with room to spare
     if max_len > cfg.max_pos:
         ap.error(f"prompt + new tokens must fit the RoPE table ({cfg.max_pos} positions)")

@@ -100,26 +100,49 @@ def left_padded_prompts(lens, seed):
     return ids, mask
 
 
+def _at_least(low):
+    def parse(text):
+        n = int(text)
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}; got {n}")
+        return n
+
+    return parse
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama", choices=["llama", "mistral", "qwen2", "gemma2", "gpt_oss", "gpt2"])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--window", type=int, default=64, help="sliding window of mistral / qwen2 / gemma2 / gpt_oss")
+    ap.add_argument("--layers", type=_at_least(1), default=4)
+    ap.add_argument("--hidden", type=_at_least(1), default=512)
+    ap.add_argument("--heads", type=_at_least(1), default=8)
+    ap.add_argument("--kv-heads", type=_at_least(1), default=2)
+    ap.add_argument("--window", type=_at_least(1), default=64, help="sliding window of mistral/qwen2/gemma2/gpt_oss")
     ap.add_argument("--prompt-lens", default="17,40,5,96", help="comma-separated (default: %(default)s)")
-    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens", type=_at_least(1), default=32)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--threads", type=int, default=None, help="torch's and pyattn's threads (default: as set)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed generations per implementation (median)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="2 layers, hidden 128, 12 new tokens, one repeat")
+    ap.add_argument("--threads", type=_at_least(1), default=None, help="torch's and pyattn's threads (default: as set)")
+    ap.add_argument("--repeats", type=_at_least(1), default=3, help="timed generations per implementation (median)")
+    ap.add_argument("--seed", type=_at_least(0), default=0)
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="2 layers, hidden 128, 4 heads on 2 kv heads, window 16, 12 new tokens, one repeat (what is not given)",
+    )
+    if ap.parse_known_args(argv)[0].quick:  # new defaults: what is given on the command line still counts
+        ap.set_defaults(layers=2, hidden=128, heads=4, kv_heads=2, new_tokens=12, repeats=1, window=16)
     args = ap.parse_args(argv)
-    if args.quick:
-        args.layers, args.hidden, args.heads, args.kv_heads = 2, 128, 4, 2
-        args.new_tokens, args.repeats, args.window = 12, 1, 16
-    lens = [int(x) for x in args.prompt_lens.split(",") if x]
+    if args.heads % args.kv_heads or args.hidden % args.heads:
+        ap.error(
+            f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads}) "
+            f"and divide --hidden ({args.hidden})"
+        )
+    try:
+        lens = [int(x) for x in args.prompt_lens.split(",")]
+    except ValueError:
+        ap.error(f"--prompt-lens must be comma-separated integers; got {args.prompt_lens!r}")
+    if min(lens) < 1:
+        ap.error("prompt lengths must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
         pyattn.set_num_threads(args.threads)
