@@ -52,6 +52,7 @@ def _at_least(low):
             raise argparse.ArgumentTypeError(f"must be at least {low}; got {n}")
         return n
 
+    parse.__name__ = "int"  # argparse names the type in its message: "invalid int value"
     return parse
 
 

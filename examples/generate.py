@@ -390,6 +390,7 @@ def _at_least(low):
             raise argparse.ArgumentTypeError(f"must be at least {low}; got {n}")
         return n
 
+    parse.__name__ = "int"  # argparse names the type in its message: "invalid int value"
     return parse
 
 
@@ -410,10 +411,10 @@ def main(argv=None) -> int:
 
     cfg = Config(n_layers=args.layers)
     try:
-        lengths = [int(n) for n in args.prompt_lens.split(",")]
+        lengths = [int(n) for n in args.prompt_lens.split(",") if n.strip()]  # a trailing comma is fine
     except ValueError:
         ap.error(f"--prompt-lens must be comma-separated integers; got {args.prompt_lens!r}")
-    if min(lengths) < 1:
+    if not lengths or min(lengths) < 1:
         ap.error("prompt lengths must be >= 1")
     max_len = max(lengths) + args.new_tokens  # the most any row holds, with room to spare
     if max_len > cfg.max_pos:

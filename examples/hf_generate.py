@@ -107,6 +107,7 @@ def _at_least(low):
             raise argparse.ArgumentTypeError(f"must be at least {low}; got {n}")
         return n
 
+    parse.__name__ = "int"  # argparse names the type in its message: "invalid int value"
     return parse
 
 
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=_at_least(1), default=None, help="torch's and pyattn's threads (default: as set)")
     ap.add_argument("--repeats", type=_at_least(1), default=3, help="timed generations per implementation (median)")
-    ap.add_argument("--seed", type=_at_least(0), default=0)
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--quick",
         action="store_true",
@@ -132,16 +133,17 @@ def main(argv=None) -> int:
     if ap.parse_known_args(argv)[0].quick:  # new defaults: what is given on the command line still counts
         ap.set_defaults(layers=2, hidden=128, heads=4, kv_heads=2, new_tokens=12, repeats=1, window=16)
     args = ap.parse_args(argv)
-    if args.heads % args.kv_heads or args.hidden % args.heads:
+    kv_heads = args.heads if args.model == "gpt2" else args.kv_heads  # GPT-2 has no grouped heads
+    if args.heads % kv_heads or args.hidden % args.heads:
         ap.error(
             f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads}) "
             f"and divide --hidden ({args.hidden})"
         )
     try:
-        lens = [int(x) for x in args.prompt_lens.split(",")]
+        lens = [int(x) for x in args.prompt_lens.split(",") if x.strip()]  # a trailing comma is fine
     except ValueError:
         ap.error(f"--prompt-lens must be comma-separated integers; got {args.prompt_lens!r}")
-    if min(lens) < 1:
+    if not lens or min(lens) < 1:
         ap.error("prompt lengths must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -164,7 +166,6 @@ def main(argv=None) -> int:
         return real_sdpa(*a, **kw)
 
     pyattn.scaled_dot_product_attention = counted
-    kv_heads = args.heads if args.model == "gpt2" else args.kv_heads  # GPT-2 has no grouped heads
     print(
         f"{args.model}: {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {kv_heads} KV heads, "
         f"{args.dtype}, random weights; prompts {lens} left-padded to {ids.shape[1]}, {args.new_tokens} new tokens; "
