@@ -263,8 +263,9 @@ def _cache_attention(
 
     ksl = vsl = None
     if kv_type == 3:
-        if not writes and k_scale is not None and v_scale is not None:
-            k_scale, v_scale = as_array(k_scale, "k_scale"), as_array(v_scale, "v_scale")
+        if not writes:  # each on its own: a missing one is then the one the error names
+            k_scale = None if k_scale is None else as_array(k_scale, "k_scale")
+            v_scale = None if v_scale is None else as_array(v_scale, "v_scale")
         for s, c, name in ((k_scale, k_cache, "k_scale"), (v_scale, v_cache, "v_scale")):
             if not isinstance(s, np.ndarray):
                 raise ValueError(f"{name} must be a float32 array of shape {c.shape[:3]} for an int8 cache")

@@ -766,6 +766,9 @@ def test_a_read_only_call_reads_any_array_like_cache(kind, cdt, rng):
 
     got = pyattn.kvcache_attention(q, conv(kc), conv(vc), lens, **{n: conv(s) for n, s in sc.items()})
     np.testing.assert_array_equal(got, want)
+    if sc:  # one array-like scale, the other missing: the error names the missing one
+        with pytest.raises(ValueError, match="v_scale must be"):
+            pyattn.kvcache_attention(q, kc, vc, lens, k_scale=conv(sc["k_scale"]))
     if kind != "readonly":
         kn = rn(rng, (B, Hkv, 1, D))
         with pytest.raises(TypeError, match="k_cache must be a numpy.ndarray"):
