@@ -1,5 +1,5 @@
 from contextlib import AbstractContextManager
-from typing import Any, List, Literal, Mapping, Optional, Sequence, Tuple, Union, overload
+from typing import Any, Literal, Mapping, Optional, Sequence, Tuple, Union, overload
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
@@ -11,7 +11,7 @@ from . import reference as reference
 _Float = Union[float, np.floating[Any], np.integer[Any]]
 _Int = Union[int, np.integer[Any]]
 _Bool = Union[bool, np.bool_]
-_Window = Union[Tuple[Optional[_Int], Optional[_Int]], List[Optional[_Int]]]
+_Window = Union[Tuple[Optional[_Int], Optional[_Int]], Sequence[Optional[_Int]]]
 
 __all__ = [
     "scaled_dot_product_attention",
@@ -143,15 +143,15 @@ def merge_attention_states(
 @overload
 def kvcache_attention(
     query: ArrayLike,
-    k_cache: NDArray[Any],
-    v_cache: NDArray[Any],
+    k_cache: ArrayLike,
+    v_cache: ArrayLike,
     cache_lens: ArrayLike,
     *,
     k_new: Optional[ArrayLike] = ...,
     v_new: Optional[ArrayLike] = ...,
     block_table: Optional[ArrayLike] = ...,
-    k_scale: Optional[NDArray[np.float32]] = ...,
-    v_scale: Optional[NDArray[np.float32]] = ...,
+    k_scale: Optional[ArrayLike] = ...,
+    v_scale: Optional[ArrayLike] = ...,
     scale: Optional[_Float] = ...,
     is_causal: _Bool = ...,
     window: Optional[_Window] = ...,
@@ -164,15 +164,15 @@ def kvcache_attention(
 @overload
 def kvcache_attention(
     query: ArrayLike,
-    k_cache: NDArray[Any],
-    v_cache: NDArray[Any],
+    k_cache: ArrayLike,
+    v_cache: ArrayLike,
     cache_lens: ArrayLike,
     *,
     k_new: Optional[ArrayLike] = ...,
     v_new: Optional[ArrayLike] = ...,
     block_table: Optional[ArrayLike] = ...,
-    k_scale: Optional[NDArray[np.float32]] = ...,
-    v_scale: Optional[NDArray[np.float32]] = ...,
+    k_scale: Optional[ArrayLike] = ...,
+    v_scale: Optional[ArrayLike] = ...,
     scale: Optional[_Float] = ...,
     is_causal: _Bool = ...,
     window: Optional[_Window] = ...,
@@ -185,15 +185,15 @@ def kvcache_attention(
 @overload
 def kvcache_attention(
     query: ArrayLike,
-    k_cache: NDArray[Any],
-    v_cache: NDArray[Any],
+    k_cache: ArrayLike,
+    v_cache: ArrayLike,
     cache_lens: ArrayLike,
     *,
     k_new: Optional[ArrayLike] = ...,
     v_new: Optional[ArrayLike] = ...,
     block_table: Optional[ArrayLike] = ...,
-    k_scale: Optional[NDArray[np.float32]] = ...,
-    v_scale: Optional[NDArray[np.float32]] = ...,
+    k_scale: Optional[ArrayLike] = ...,
+    v_scale: Optional[ArrayLike] = ...,
     scale: Optional[_Float] = ...,
     is_causal: _Bool = ...,
     window: Optional[_Window] = ...,
@@ -341,12 +341,12 @@ class MultiHeadAttention:
     b_o: Optional[NDArray[np.floating]]
     def __init__(
         self,
-        embed_dim: int,
-        num_heads: int,
+        embed_dim: _Int,
+        num_heads: _Int,
         *,
-        num_kv_heads: Optional[int] = ...,
-        kdim: Optional[int] = ...,
-        vdim: Optional[int] = ...,
+        num_kv_heads: Optional[_Int] = ...,
+        kdim: Optional[_Int] = ...,
+        vdim: Optional[_Int] = ...,
         bias: bool = ...,
         dtype: DTypeLike = ...,
         rng: Any = ...,

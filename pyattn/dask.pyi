@@ -1,4 +1,4 @@
-from typing import Any, List, Literal, Optional, Tuple, Union, overload
+from typing import Any, Literal, Optional, Sequence, Tuple, Union, overload
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -7,7 +7,7 @@ from numpy.typing import ArrayLike
 _Float = Union[float, np.floating[Any], np.integer[Any]]
 _Int = Union[int, np.integer[Any]]
 _Bool = Union[bool, np.bool_]
-_Window = Union[Tuple[Optional[_Int], Optional[_Int]], List[Optional[_Int]]]
+_Window = Union[Tuple[Optional[_Int], Optional[_Int]], Sequence[Optional[_Int]]]
 
 # Dask arrays in and out (typed Any: the stub does not make dask's types a requirement)
 __all__ = ["scaled_dot_product_attention"]
