@@ -25,7 +25,7 @@ mkdir -p "$wheel_out"
 sdist=$(ls "$wheel_out"/dist/pyattn-*.tar.gz)
 raw_wheel=$(ls "$wheel_out"/dist/pyattn-*.whl)
 # Every tracked file the build or the package needs is in the sdist.
-missing=$(cd "$repo" && git ls-files CMakeLists.txt pyproject.toml README.md csrc pyattn |
+missing=$(cd "$repo" && git ls-files CMakeLists.txt pyproject.toml README.md LICENSE csrc pyattn |
   "$py" -c 'import sys, tarfile
 names = {n.split("/", 1)[1] for n in tarfile.open(sys.argv[1]).getnames() if "/" in n}
 print(" ".join(f for f in sys.stdin.read().split() if f not in names))' "$sdist")
@@ -33,7 +33,22 @@ if [ -n "$missing" ]; then
   echo "ERROR: not in the sdist: $missing"
   exit 1
 fi
-echo "sdist: $(basename "$sdist") (built the wheel $(basename "$raw_wheel"))"
+# ... and none of what pyproject.toml's sdist.exclude leaves out (saved runs, pictures, CI).
+excluded=$("$py" -c 'import sys, tarfile
+names = [n.split("/", 1)[1] for n in tarfile.open(sys.argv[1]).getnames() if "/" in n]
+print(" ".join(n for n in names if n.startswith(("benches/history", ".ci/", ".github/")) or n.endswith(".png")))' "$sdist")
+if [ -n "$excluded" ]; then
+  echo "ERROR: in the sdist, though excluded: $excluded"
+  exit 1
+fi
+# The licence travels with the wheel (MIT asks it of every copy).
+licence=$("$py" -c 'import sys, zipfile
+print(" ".join(n for n in zipfile.ZipFile(sys.argv[1]).namelist() if ".dist-info/" in n and "LICENSE" in n))' "$raw_wheel")
+if [ -z "$licence" ]; then
+  echo "ERROR: no LICENSE in the wheel's .dist-info"
+  exit 1
+fi
+echo "sdist: $(basename "$sdist") (built the wheel $(basename "$raw_wheel"); licence: $licence)"
 PATH="$venv/bin:$PATH" "$venv/bin/auditwheel" repair --wheel-dir "$wheel_out/repaired" "$raw_wheel"
 wheel=$(ls "$wheel_out"/repaired/pyattn-*.whl)
 echo "repaired wheel: $(basename "$wheel")"
