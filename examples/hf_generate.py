@@ -41,7 +41,7 @@ try:
     import torch
     import transformers
 except ImportError:
-    sys.exit("this example needs torch and transformers: pip install 'pyattn[transformers]'")
+    sys.exit("this example needs torch and transformers: pip install '.[transformers]' in pyattn's checkout")
 
 import pyattn  # noqa: E402
 import pyattn.integrations.transformers as pt  # noqa: E402

@@ -7,7 +7,8 @@ key chunks of a query chunk are merged exactly through their log-sum-exp
 (:func:`pyattn.merge_attention_states`) in a tree of fan-in ``split_every``, so no task ever holds
 all of K/V. Blocks that causal alignment or the window hide entirely are left out of the graph.
 
-Needs the optional extra: ``pip install "pyattn[dask]"`` (dask[array] and distributed).
+Needs dask[array] and distributed: ``pip install "dask[array]" distributed``, or pyattn's ``dask`` extra
+(``pip install ".[dask]"`` in a checkout).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ try:
     from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 except ImportError as exc:  # pragma: no cover - exercised by a subprocess test without dask
     raise ImportError(
-        'pyattn.dask needs Dask: install the extra with `pip install "pyattn[dask]"` '
-        f"(dask[array] and distributed); the import failed with: {exc}"
+        'pyattn.dask needs Dask: `pip install "dask[array]" distributed` (pyattn\'s "dask" extra, '
+        f'`pip install ".[dask]"` in a checkout); the import failed with: {exc}'
     ) from exc
 
 import functools

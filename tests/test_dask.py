@@ -583,7 +583,7 @@ def test_import_pyattn_without_dask():
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    assert 'ImportError: pyattn.dask needs Dask: install the extra with `pip install "pyattn[dask]"`' in res.stdout
+    assert 'ImportError: pyattn.dask needs Dask: `pip install "dask[array]" distributed`' in res.stdout
 
 
 def _random_case(rng):

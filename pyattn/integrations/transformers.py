@@ -45,7 +45,8 @@ try:
     from transformers.modeling_utils import AttentionInterface
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "pyattn.integrations.transformers needs torch and transformers: pip install 'pyattn[transformers]'"
+        "pyattn.integrations.transformers needs torch and transformers: pip install torch transformers "
+        "(pyattn's 'transformers' extra: pip install '.[transformers]' in a checkout)"
     ) from exc
 
 try:
