@@ -155,6 +155,20 @@ def _share_elements(a: np.ndarray, b: np.ndarray) -> bool:
         return True
 
 
+def _cache_dtype(dtype) -> np.dtype:
+    """np.dtype(dtype), where the name "bfloat16" means ml_dtypes' bfloat16: NumPy knows that name
+    only once ml_dtypes is imported, which pyattn does not do by itself."""
+    if isinstance(dtype, str) and dtype.strip() == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise TypeError(
+                "a bfloat16 cache needs ml_dtypes (pip install ml_dtypes): NumPy has no bfloat16 of its own"
+            ) from None
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
 def _check_capacity(keys: np.ndarray, capacity: int) -> None:
     if keys.size and keys.max() > capacity:
         b = int(np.argmax(keys))
@@ -266,6 +280,10 @@ def _cache_attention(
         if not writes:  # each on its own: a missing one is then the one the error names
             k_scale = None if k_scale is None else as_array(k_scale, "k_scale")
             v_scale = None if v_scale is None else as_array(v_scale, "v_scale")
+        else:  # written in place, as the caches are: the caller's ndarray (a wrong type is a TypeError)
+            for s, name in ((k_scale, "k_scale"), (v_scale, "v_scale")):
+                if s is not None and not isinstance(s, np.ndarray):
+                    raise TypeError(f"{name} must be a numpy.ndarray (written in place); got {type(s).__name__}")
         for s, c, name in ((k_scale, k_cache, "k_scale"), (v_scale, v_cache, "v_scale")):
             if not isinstance(s, np.ndarray):
                 raise ValueError(f"{name} must be a float32 array of shape {c.shape[:3]} for an int8 cache")
@@ -494,7 +512,7 @@ class KVCache:
         self.num_kv_heads = positive_int(num_kv_heads, "num_kv_heads")
         self.head_dim = positive_int(head_dim, "head_dim")
         self.v_head_dim = self.head_dim if v_head_dim is None else positive_int(v_head_dim, "v_head_dim")
-        self.dtype = np.dtype(dtype)
+        self.dtype = _cache_dtype(dtype)
         if self.dtype.name not in ("float32", "float64", "float16", "bfloat16", "int8"):
             raise TypeError(f"dtype must be float32, float64, float16, bfloat16 or int8; got {self.dtype}")
         if not self.dtype.isnative:  # kvcache_attention refuses such a cache on every call

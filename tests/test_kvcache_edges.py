@@ -773,3 +773,43 @@ def test_a_read_only_call_reads_any_array_like_cache(kind, cdt, rng):
         kn = rn(rng, (B, Hkv, 1, D))
         with pytest.raises(TypeError, match="k_cache must be a numpy.ndarray"):
             pyattn.kvcache_attention(q, conv(kc), conv(vc), np.array([3, 4]), k_new=kn, v_new=kn, **sc)
+
+
+def test_a_written_int8_scale_must_be_an_ndarray(rng):
+    """The scales of a written int8 cache are written in place, as the cache is: a torch tensor or
+    another array-like is a TypeError naming it (it was a ValueError about dtype and shape), and
+    nothing is written."""
+    torch = pytest.importorskip("torch")
+    kc, vc, sc = _caches(np.int8)
+    q, kn = rn(rng, (1, 1, 1, 4)), rn(rng, (1, 1, 1, 4))
+    before = _snapshot(kc, vc, *sc.values())
+    for bad in ("k_scale", "v_scale"):
+        args = dict(sc, **{bad: torch.from_numpy(sc[bad])})
+        with pytest.raises(TypeError, match=f"{bad} must be a numpy.ndarray"):
+            pyattn.kvcache_attention(q, kc, vc, np.array([0]), k_new=kn, v_new=kn, **args)
+        assert _unchanged(before, kc, vc, *sc.values())
+
+
+def test_kvcache_takes_the_name_bfloat16():
+    """KVCache(dtype="bfloat16") works in a fresh process, before anything imported ml_dtypes
+    (NumPy knows the name only after that import), and says what it needs without ml_dtypes."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("ml_dtypes")
+    code = (
+        "import sys\n"
+        "if sys.argv[1] == 'hide':\n"
+        "    sys.modules['ml_dtypes'] = None\n"
+        "import pyattn\n"
+        "try:\n"
+        "    print(pyattn.KVCache(1, 1, 8, max_len=4, dtype='bfloat16').dtype)\n"
+        "except TypeError as e:\n"
+        "    print('TypeError', e)\n"
+    )
+    got = {
+        m: subprocess.run([sys.executable, "-c", code, m], capture_output=True, text=True, timeout=120).stdout.strip()
+        for m in ("plain", "hide")
+    }
+    assert got["plain"] == "bfloat16", got
+    assert got["hide"].startswith("TypeError a bfloat16 cache needs ml_dtypes"), got
