@@ -24,6 +24,7 @@ from ._validate import (
     base_view,
     check_out,
     compute_dtype,
+    dtype_arg,
     float_array,
     int64_values,
     is_float64,
@@ -153,20 +154,6 @@ def _share_elements(a: np.ndarray, b: np.ndarray) -> bool:
         return bool(np.shares_memory(a, b, max_work=1 << 20))
     except getattr(np, "exceptions", np).TooHardError:  # np.exceptions from NumPy 1.25
         return True
-
-
-def _cache_dtype(dtype) -> np.dtype:
-    """np.dtype(dtype), where the name "bfloat16" means ml_dtypes' bfloat16: NumPy knows that name
-    only once ml_dtypes is imported, which pyattn does not do by itself."""
-    if isinstance(dtype, str) and dtype.strip() == "bfloat16":
-        try:
-            import ml_dtypes
-        except ImportError:
-            raise TypeError(
-                "a bfloat16 cache needs ml_dtypes (pip install ml_dtypes): NumPy has no bfloat16 of its own"
-            ) from None
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(dtype)
 
 
 def _check_capacity(keys: np.ndarray, capacity: int) -> None:
@@ -512,7 +499,7 @@ class KVCache:
         self.num_kv_heads = positive_int(num_kv_heads, "num_kv_heads")
         self.head_dim = positive_int(head_dim, "head_dim")
         self.v_head_dim = self.head_dim if v_head_dim is None else positive_int(v_head_dim, "v_head_dim")
-        self.dtype = _cache_dtype(dtype)
+        self.dtype = dtype_arg(dtype, "a bfloat16 cache")
         if self.dtype.name not in ("float32", "float64", "float16", "bfloat16", "int8"):
             raise TypeError(f"dtype must be float32, float64, float16, bfloat16 or int8; got {self.dtype}")
         if not self.dtype.isnative:  # kvcache_attention refuses such a cache on every call

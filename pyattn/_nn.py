@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from ._api import matmul, scaled_dot_product_attention, softmax
-from ._validate import as_array, broadcast_lead, compute_dtype, float_array, is_float_dtype, positive_int
+from ._validate import as_array, broadcast_lead, compute_dtype, dtype_arg, float_array, is_float_dtype, positive_int
 
 __all__ = [
     "multi_head_attention",
@@ -223,7 +223,7 @@ class MultiHeadAttention:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.kdim = self.embed_dim if kdim is None else positive_int(kdim, "kdim")
         self.vdim = self.embed_dim if vdim is None else positive_int(vdim, "vdim")
-        self.dtype = np.dtype(dtype)
+        self.dtype = dtype_arg(dtype)
         if self.dtype not in (np.float32, np.float64):
             raise TypeError(f"dtype must be float32 or float64; got {self.dtype}")
         self.head_dim = self.embed_dim // self.num_heads
@@ -346,7 +346,7 @@ def sinusoidal_positional_encoding(num_positions, d_model, *, base=10000.0, dtyp
         raise TypeError(f"base must be a number > 0; got {base!r}")
     if not base > 0:
         raise ValueError(f"base must be > 0; got {base}")
-    dtype = np.dtype(dtype)
+    dtype = dtype_arg(dtype)
     if not is_float_dtype(dtype):
         raise TypeError(f"dtype must be float16, bfloat16, float32 or float64; got {dtype}")
     pos = np.arange(num_positions, dtype=np.float64)[:, None]

@@ -48,6 +48,21 @@ def base_view(a: np.ndarray) -> np.ndarray:
     return np.ndarray.view(a, np.ndarray)
 
 
+def dtype_arg(dtype, what: str = "bfloat16") -> np.dtype:
+    """np.dtype(dtype) of a ``dtype=`` argument, where the name "bfloat16" means ml_dtypes'
+    bfloat16: NumPy knows that name only once ml_dtypes is imported, which pyattn does not do
+    (``what``: what the error says needs ml_dtypes, where it is missing)."""
+    if isinstance(dtype, str) and dtype.strip() == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise TypeError(
+                f"{what} needs ml_dtypes (pip install ml_dtypes): NumPy has no bfloat16 of its own"
+            ) from None
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
 def is_float_dtype(dt: np.dtype) -> bool:
     """Real floating point of at most 8 bytes, bfloat16 included (ml_dtypes' bfloat16 has kind
     "V"); extended precision (np.longdouble) is not: no argument takes it."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _helpers import DTYPES, assert_close, bool_mask, make_mask, randn, relayout
+from _helpers import DTYPES, assert_close, bool_mask, make_mask, randn, relayout, run_python
 
 import pyattn
 from pyattn import reference
@@ -375,6 +375,18 @@ def test_sinusoidal(n, d):
     assert_close(got, want, tol=max(1e-6, n * 1.2e-7) if n else 1e-6)
     got64 = pyattn.sinusoidal_positional_encoding(n, d, dtype=np.float64)
     assert_close(got64, want, np.float64)
+
+
+def test_sinusoidal_takes_the_name_bfloat16():
+    """dtype="bfloat16" in a fresh process, before anything imported ml_dtypes (NumPy knows the
+    name only after that import: it raised "data type 'bfloat16' not understood")."""
+    pytest.importorskip("ml_dtypes")
+    rc, out, err = run_python(
+        "import pyattn; pe = pyattn.sinusoidal_positional_encoding(4, 6, dtype='bfloat16'); "
+        "print(pe.dtype, pe.shape, float(pe[1, 0]))"
+    )
+    assert rc == 0, err
+    assert out.split()[:3] == ["bfloat16", "(4,", "6)"] and abs(float(out.split()[3]) - np.sin(1.0)) < 1e-2, out
 
 
 def test_sinusoidal_base():
