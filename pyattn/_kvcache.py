@@ -264,17 +264,18 @@ def _cache_attention(
 
     ksl = vsl = None
     if kv_type == 3:
-        if not writes:  # each on its own: a missing one is then the one the error names
-            k_scale = None if k_scale is None else as_array(k_scale, "k_scale")
-            v_scale = None if v_scale is None else as_array(v_scale, "v_scale")
-        else:  # written in place, as the caches are: the caller's ndarray (a wrong type is a TypeError)
-            for s, name in ((k_scale, "k_scale"), (v_scale, "v_scale")):
-                if s is not None and not isinstance(s, np.ndarray):
-                    raise TypeError(f"{name} must be a numpy.ndarray (written in place); got {type(s).__name__}")
+        # As the caches: written in place, the caller's ndarray; only read, any array-like; then
+        # a view of its own. Each on its own, so a missing one is the one the error names.
+        scales = []
         for s, c, name in ((k_scale, k_cache, "k_scale"), (v_scale, v_cache, "v_scale")):
-            if not isinstance(s, np.ndarray):
+            if s is None:
                 raise ValueError(f"{name} must be a float32 array of shape {c.shape[:3]} for an int8 cache")
-        k_scale, v_scale = base_view(k_scale), base_view(v_scale)  # (as the caches: views of their own)
+            if not writes:
+                s = as_array(s, name)
+            elif not isinstance(s, np.ndarray):
+                raise TypeError(f"{name} must be a numpy.ndarray (written in place); got {type(s).__name__}")
+            scales.append(base_view(s))
+        k_scale, v_scale = scales
         for s, c, name in ((k_scale, k_cache, "k_scale"), (v_scale, v_cache, "v_scale")):
             if s.dtype != F32 or s.shape != c.shape[:3]:
                 raise ValueError(f"{name} must be a float32 array of shape {c.shape[:3]} for an int8 cache")
