@@ -210,15 +210,15 @@ def make_state_dict(rng, embed_dim, kdim=None, vdim=None, bias=True, dtype=np.fl
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_python(script, *, timeout=60, argv=None):
-    """Run ``python -c script`` (dedented) or ``argv`` in a new session, from tests/; a hang fails
-    the test: on timeout the whole process group is killed, forked children included.
-    Returns (returncode, stdout, stderr)."""
+def run_python(script, *, timeout=60, argv=None, env=None):
+    """Run ``python -c script`` (dedented) or ``argv`` in a new session, from tests/ (``env``: its
+    environment, else this one's); a hang fails the test: on timeout the whole process group is
+    killed, forked children included. Returns (returncode, stdout, stderr)."""
     import pytest
 
     cmd = argv if argv is not None else [sys.executable, "-c", textwrap.dedent(script)]
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE, start_new_session=True
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE, start_new_session=True, env=env
     )
     try:
         out, err = proc.communicate(timeout=timeout)

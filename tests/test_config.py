@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 from _decode_cases import decode_cases
-from _helpers import ISAS
+from _helpers import ISAS, run_python
 
 import pyattn
 
@@ -225,16 +225,9 @@ def test_env_var_decode_prefetch_other_values_warn(value):
         env = {k: v for k, v in os.environ.items() if k != "PYATTN_DECODE_PREFETCH"}
         if setting is not None:
             env["PYATTN_DECODE_PREFETCH"] = setting
-        res = subprocess.run(
-            [sys.executable, "-c", code],
-            env=env,
-            capture_output=True,
-            text=True,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-            timeout=120,
-        )
-        assert res.returncode == 0, res.stderr
-        return json.loads(res.stdout.strip().splitlines()[-1])
+        rc, out, err = run_python(code, env=env, timeout=120)
+        assert rc == 0, err
+        return json.loads(out.strip().splitlines()[-1])
 
     got, unset = run(value), run(None)
     assert got["flag"] is unset["flag"]  # ignored: the CPU's default

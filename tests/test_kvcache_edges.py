@@ -793,8 +793,9 @@ def test_a_written_int8_scale_must_be_an_ndarray(rng):
 def test_kvcache_takes_the_name_bfloat16():
     """KVCache(dtype="bfloat16") works in a fresh process, before anything imported ml_dtypes
     (NumPy knows the name only after that import), and says what it needs without ml_dtypes."""
-    import subprocess
     import sys
+
+    from _helpers import run_python
 
     pytest.importorskip("ml_dtypes")
     code = (
@@ -807,9 +808,6 @@ def test_kvcache_takes_the_name_bfloat16():
         "except TypeError as e:\n"
         "    print('TypeError', e)\n"
     )
-    got = {
-        m: subprocess.run([sys.executable, "-c", code, m], capture_output=True, text=True, timeout=120).stdout.strip()
-        for m in ("plain", "hide")
-    }
+    got = {m: run_python(None, argv=[sys.executable, "-c", code, m], timeout=120)[1].strip() for m in ("plain", "hide")}
     assert got["plain"] == "bfloat16", got
     assert got["hide"].startswith("TypeError a bfloat16 cache needs ml_dtypes"), got
