@@ -13,7 +13,8 @@ while other work shares the machine: take more rounds, and more than one run, th
         /tmp/ab/new/pkg/pyattn/_core*.so -k "L2048 D64" -k "variants B8" --shape 1,2,333,333,64,causal
 
 The cases are the benches' own (benches/bench_attention.py's shapes, benches/bench_variants.py's
-shapes times variants, with their inputs and keywords), chosen by -k substrings of the names the
+shapes times variants, with their inputs and keywords; benches/bench_kvcache.py's paged-decode
+case, on its contiguous and its paged cache), chosen by -k substrings of the names the
 report prints; --shape adds plain float32 ones. It prints, per case, the median times and B's
 speed over A's (A's time / B's time) by medians, fastest calls and first quartiles.
 
@@ -36,9 +37,11 @@ import numpy as np
 
 import pyattn
 import pyattn._api as api
+import pyattn._kvcache as kvmod
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benches"))
 import bench_attention  # noqa: E402
+import bench_kvcache  # noqa: E402
 import bench_variants  # noqa: E402
 
 
@@ -51,19 +54,25 @@ def _load(path: str, tag: str):
     return mod
 
 
-# The Python layer's references into the core: the module itself and any function of it bound to
-# a name of its own (for speed, e.g. the small-call entry point); _use repoints every one.
+# The Python layer's references into the core, module by module: the core itself and any
+# function of it bound to a name of its own (for speed, e.g. the small-call entry points); _use
+# repoints every one.
+_MODULES = (api, kvmod)
 _ALIASES = {
-    name: fn.__name__
-    for name, fn in vars(api).items()
-    if callable(fn) and getattr(api._core, getattr(fn, "__name__", ""), None) is fn
+    mod: {
+        name: fn.__name__
+        for name, fn in vars(mod).items()
+        if callable(fn) and getattr(api._core, getattr(fn, "__name__", ""), None) is fn
+    }
+    for mod in _MODULES
 }
 
 
 def _use(core) -> None:
-    api._core = core
-    for name, fname in _ALIASES.items():
-        setattr(api, name, getattr(core, fname))
+    for mod in _MODULES:
+        mod._core = core
+        for name, fname in _ALIASES[mod].items():
+            setattr(mod, name, getattr(core, fname))
 
 
 def _cases(keys: list[str], shapes: list[str]) -> dict:
@@ -83,6 +92,14 @@ def _cases(keys: list[str], shapes: list[str]) -> dict:
                 k, v = bench_variants.variant_kv(c, variant)
                 kw = bench_variants.variant_kwargs(c, variant)
                 cases[name] = functools.partial(pyattn.scaled_dot_product_attention, q, k, v, **kw)
+    for c in bench_kvcache.PAGED_CASES:  # the decode on a contiguous cache, and on the paged one
+        q, kc, vc, kp, vp, table, lens = bench_kvcache.paged_inputs(c)
+        for name, call in (
+            (f"{c.name} contiguous", functools.partial(pyattn.kvcache_attention, q, kc, vc, lens)),
+            (f"{c.name} paged", functools.partial(pyattn.kvcache_attention, q, kp, vp, lens, block_table=table)),
+        ):
+            if any(k in name for k in keys):
+                cases[name] = call
     rng = np.random.default_rng(0)
     for s in shapes:
         parts = s.split(",")
