@@ -1434,6 +1434,24 @@ struct Attention {
     for (index_t j = 0; j < n; ++j) rows[j] = b0 + s.page[j] * ps + s.slot[j] * rs;
   }
 
+  //   prefetch rows [j0, j0 + n) of slots s (from b0, cols wide), a block's run of them at a time
+  // Each stream's rows in order, as over a contiguous cache: row by row, each key's V row then the
+  // K and V rows ahead in turn, the paged decode took 1.15-1.20x the contiguous cache's time even
+  // with one block a sequence, the very layout of the contiguous cache (AVX-512, B4 Hq32 Hkv8
+  // L4096 D128 block 16, one thread, Zen 4). By runs: 1.08-1.10x faster (two threads, one-process
+  // A/B), about the contiguous cache's time; float16 / bfloat16 / int8 and AVX2 unchanged.
+  // Always inlined: GCC 12 took a call to a function that only prefetches for one without side
+  // effects and dropped it (0.40x the contiguous cache's speed).
+  template <class P>
+  PYATTN_ALWAYS_INLINE static void prefetch_slots(const P* b0, index_t rs, index_t ps, const Slots& s, index_t j0,
+                                                  index_t n, index_t cols) {
+    for (index_t j = j0 + 1, r0 = j0; j <= j0 + n; ++j)
+      if (j == j0 + n || s.slot[j] == 0) {  // a run ends where its block does
+        prefetch_rows(b0 + s.page[r0] * ps + s.slot[r0] * rs, rs, j - r0, cols);
+        r0 = j;
+      }
+  }
+
   //   out[j] = the int8 scale of key k0 + j for j < n (scales from s0, rs and ps apart), stepped
   //   through a contiguous cache rather than indexed from its slots
   void scales_at(const float* s0, index_t rs, index_t ps, const Slots& s, index_t k0, index_t n, T* out) const {
@@ -1646,13 +1664,12 @@ struct Attention {
             prefetch_rows(ahead.kb0 + ak * a.k_rs, a.k_rs, m, E);
             prefetch_rows(ahead.vb0 + ak * a.v_rs, a.v_rs, m, Ev);
           }
-        } else if (streamed) {
-          for (index_t j = jg; j < jg + n; ++j) {
-            prefetch_rows(vrow(*cur, j), a.v_rs, 1, Ev);
-            if (j < an) {
-              prefetch_rows(akrow(j), a.k_rs, 1, E);
-              prefetch_rows(avrow(j), a.v_rs, 1, Ev);
-            }
+        } else if (streamed) {  // through a block table: the same runs, cut where a block ends
+          const index_t m = min_of<index_t>(n, an - jg);
+          prefetch_slots(vb0, a.v_rs, a.v_ps, *cur, jg, n, Ev);
+          if (m > 0) {
+            prefetch_slots(ahead.kb0, a.k_rs, a.k_ps, as, jg, m, E);
+            prefetch_slots(ahead.vb0, a.v_rs, a.v_ps, as, jg, m, Ev);
           }
         }
         K::dot_keys(r.q, E, r.R, krows + jg, n, E, r.s + jg, db);

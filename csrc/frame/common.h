@@ -201,9 +201,10 @@ constexpr double kExp2Taylor[14] = {1.0,
 // Asks for rows [0, rows) of cols elements, rs apart, to be brought into L2 ahead of use: K and V
 // rows are read by the attention kernels in place (never packed), and their first touch would
 // otherwise stall on strided misses that the hardware prefetchers do not follow. With Write, for
-// writing (the output rows, whose stores otherwise wait on every line).
+// writing (the output rows, whose stores otherwise wait on every line). Always inlined: a call
+// to a function that only prefetches may be dropped (attention.h, prefetch_slots).
 template <bool Write = false, class T>
-inline void prefetch_rows(const T* p, index_t rs, index_t rows, index_t cols) {
+PYATTN_ALWAYS_INLINE void prefetch_rows(const T* p, index_t rs, index_t rows, index_t cols) {
   constexpr index_t line = 64 / sizeof(T);
   for (index_t r = 0; r < rows; ++r)
     for (index_t c = 0; c < cols; c += line) {
