@@ -213,15 +213,15 @@ struct Attention {
   index_t run(index_t j) const { return a.block_table ? a.block_size - j % a.block_size : kNoLimit; }
   const KV* key_row(const Problem& p, index_t j) const { return key + row_at(p, a.koff, a.k_rs, a.k_ps, j); }
   const KV* value_row(const Problem& p, index_t j) const { return value + row_at(p, a.voff, a.v_rs, a.v_ps, j); }
-  // Rows [j0, j0 + n) of K (or V) asked for into L2, run by run.
-  void prefetch_keys(const Problem& p, index_t j0, index_t n) const {
+  // Rows [j0, j0 + n) of K (or V) asked for into L2, run by run. (Always inlined: prefetch_rows.)
+  PYATTN_ALWAYS_INLINE void prefetch_keys(const Problem& p, index_t j0, index_t n) const {
     for (index_t j = j0, e = j0 + n; j < e;) {
       const index_t m = min_of<index_t>(e - j, run(j));
       prefetch_rows(key_row(p, j), a.k_rs, m, a.E);
       j += m;
     }
   }
-  void prefetch_values(const Problem& p, index_t j0, index_t n) const {
+  PYATTN_ALWAYS_INLINE void prefetch_values(const Problem& p, index_t j0, index_t n) const {
     for (index_t j = j0, e = j0 + n; j < e;) {
       const index_t m = min_of<index_t>(e - j, run(j));
       prefetch_rows(value_row(p, j), a.v_rs, m, a.Ev);
@@ -517,13 +517,11 @@ struct Attention {
       for (int i = 0; i < np; ++i)
         for (index_t j = 0; j < kb; j += MR) {
           const int mr = int(min_of<index_t>(MR, kb - j));
-          if (i == 0) prefetch_values(p, k0 + j, mr);  // this block's V, used next
           if (j >= first[i]) score_tile<CAP, ALIBI>(p, q0 + i * NR, k0, j, mr, blk, t[i], fused && fused[i]);
         }
     } else {
       for (index_t j = 0; j < kb; j += MR) {
         const int mr = int(min_of<index_t>(MR, kb - j));
-        prefetch_values(p, k0 + j, mr);
         for (int i = 0; i < np; ++i)
           if (j >= first[i]) score_tile<CAP, ALIBI>(p, q0 + i * NR, k0, j, mr, blk, t[i], fused && fused[i]);
       }
