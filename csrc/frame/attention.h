@@ -418,7 +418,8 @@ struct Attention {
     if (j1 > h.j1) copy_rows(p, h.j1, j1, h), h.j1 = j1;
   }
   //   h.k[j] = K[j], h.v[j] = V[j] for j in [j0, j1) (gather_rows), each chunk's rows asked for
-  //   a chunk ahead
+  //   a chunk ahead (prefetches GCC dropped until 3bca3d5: unmeasured since they run; chunked
+  //   paged and float16 prefills 0.99-1.01 with them)
   void copy_rows(const Problem& p, index_t j0, index_t j1, const Held& h) const {
     constexpr index_t C = 16;
     for (index_t j = j0; j < j1; j += C) {
@@ -940,7 +941,8 @@ struct Attention {
     const index_t kbeg = lo(p, q0), kend = hi(p, last_q(p, q0, np - 1));  // as group_span
     const index_t c = ALIBI && outward(p) ? max_of<index_t>(kbeg, min_of<index_t>(kend, q0 + p.off)) : kbeg;
     // The task's Q rows and first K block are asked for together before the Q^T packing starts
-    // on them: on short sequences these first touches were a sixth of the time.
+    // on them: on short sequences these first touches were a sixth of the time. (That was
+    // measured with the Q rows' prefetch alone: GCC dropped prefetch_keys until 3bca3d5.)
     const index_t nq = min_of<index_t>(p.Lq - q0, index_t(np) * NR);
     prefetch_rows(query + a.qoff[p.bh] + q0 * a.q_rs, a.q_rs, nq, a.E);
     if (kend > c)
@@ -1432,14 +1434,15 @@ struct Attention {
     for (index_t j = 0; j < n; ++j) rows[j] = b0 + s.page[j] * ps + s.slot[j] * rs;
   }
 
-  //   prefetch rows [j0, j0 + n) of slots s (from b0, cols wide), a block's run of them at a time
-  // Each stream's rows in order, as over a contiguous cache: row by row, each key's V row then the
-  // K and V rows ahead in turn, the paged decode took 1.15-1.20x the contiguous cache's time even
-  // with one block a sequence, the very layout of the contiguous cache (AVX-512, B4 Hq32 Hkv8
-  // L4096 D128 block 16, one thread, Zen 4). By runs: 1.08-1.10x faster (two threads, one-process
-  // A/B), about the contiguous cache's time; float16 / bfloat16 / int8 and AVX2 unchanged.
-  // Always inlined: GCC 12 took a call to a function that only prefetches for one without side
-  // effects and dropped it (0.40x the contiguous cache's speed).
+  //   prefetch(b0 + page[j] * ps + slot[j] * rs, cols wide) for j in [j0, j0 + n), a run of one
+  //   block's rows at a time
+  // Each stream's rows in order, as over a contiguous cache. Row by row, each key's V row then
+  // the K and V rows ahead in turn, a paged decode took 1.20-1.22x the contiguous cache's time
+  // with one 4096-row block a sequence (the very layout of the contiguous cache) and 1.16-1.20x
+  // with 16-row blocks (AVX-512, B4 Hq32 Hkv8 L4096 D128, one thread, Zen 4); by runs, 16-row
+  // blocks ran 1.08-1.10x faster (two threads, one-process A/B), about the contiguous time.
+  // Always inlined: GCC 12 takes a function that only prefetches for one without side effects
+  // (ipa-modref: const) and drops calls to it (0.40x the contiguous cache's speed).
   template <class P>
   PYATTN_ALWAYS_INLINE static void prefetch_slots(const P* b0, index_t rs, index_t ps, const Slots& s, index_t j0,
                                                   index_t n, index_t cols) {
@@ -1589,9 +1592,12 @@ struct Attention {
     if (nb > 0) slots(pg, k1, nb, *nxt);
     // s[x, j] = q_x . k_j. Streamed from memory (stream_keys, grouped float32 rows past the
     // cached size, grouped half and int8 rows always: decode_db), key rows are read one after
-    // the other and prefetched one row per key: this
-    // block's V (for pv_rows below), and K and V pfd_of(db) blocks ahead, so that neither stream
-    // starts cold at a block boundary.
+    // the other and their rows prefetched four keys at a time, a stream at a time (prefetch_slots):
+    // this block's V (for pv_rows below), and K and V pfd_of(db) blocks ahead, so that neither
+    // stream starts cold at a block boundary. (One key's three rows at a time, streams
+    // interleaved, the key-by-key loop ran 1.04-1.13x slower for single rows, H32 Lk4096-16384
+    // D128, float32 and halves on both x86 sets (AVX2 bfloat16 once 0.95), int8 0.95-1.02; AVX2's
+    // B4 Hq32 Hkv8 float32 caches 1.04-1.06x. Zen 4, one-process A/Bs.)
     // Over K/V that fit in cache (other than those read as streamed: decode_db), several keys
     // at a time (kernels/x86_simd.h dot_keys: L for one query row, L / 4 for grouped rows),
     // with no software prefetch: from L2/L3 the
@@ -1637,13 +1643,14 @@ struct Attention {
         K::dot_keys(r.q, E, index_t(1), krows, kb, E, r.s, db);
       }
     } else if (r.R == 1 || !(cached || kInt8 || grouped_stream_keys<K>::value)) {
-      for (index_t j = 0; j < kb; ++j) {
-        prefetch_rows(vrow(*cur, j), a.v_rs, 1, Ev);
-        if (j < an) {
-          prefetch_rows(akrow(j), a.k_rs, 1, E);
-          prefetch_rows(avrow(j), a.v_rs, 1, Ev);
+      for (index_t jg = 0; jg < kb; jg += 4) {
+        const index_t n = min_of<index_t>(4, kb - jg), m = min_of<index_t>(n, an - jg);
+        prefetch_slots(vb0, a.v_rs, a.v_ps, *cur, jg, n, Ev);
+        if (m > 0) {
+          prefetch_slots(ahead.kb0, a.k_rs, a.k_ps, as, jg, m, E);
+          prefetch_slots(ahead.vb0, a.v_rs, a.v_ps, as, jg, m, Ev);
         }
-        K::dot_rows(r.q, E, r.R, krow(*cur, j), E, r.s + j, db);
+        for (index_t j = jg; j < jg + n; ++j) K::dot_rows(r.q, E, r.R, krow(*cur, j), E, r.s + j, db);
       }
     } else {
       const KV* krows[db];

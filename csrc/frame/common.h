@@ -197,7 +197,7 @@ constexpr double kExp2Taylor[14] = {1.0,
                                     2.5678435993488202578e-11,
                                     1.3691488853904124290e-12};
 
-//   dst[c*drs + r] = src[r*srs + c], r < rows, c < cols
+//   prefetch(p + r * rs + c) for r < rows, c < cols (one per cache line)
 // Asks for rows [0, rows) of cols elements, rs apart, to be brought into L2 ahead of use: K and V
 // rows are read by the attention kernels in place (never packed), and their first touch would
 // otherwise stall on strided misses that the hardware prefetchers do not follow. With Write, for
