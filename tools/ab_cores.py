@@ -37,7 +37,6 @@ import numpy as np
 
 import pyattn
 import pyattn._api as api
-import pyattn._kvcache as kvmod
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benches"))
 import bench_attention  # noqa: E402
@@ -54,10 +53,12 @@ def _load(path: str, tag: str):
     return mod
 
 
-# The Python layer's references into the core, module by module: the core itself and any
-# function of it bound to a name of its own (for speed, e.g. the small-call entry points); _use
-# repoints every one.
-_MODULES = (api, kvmod)
+# The Python layer's references into the core, module by module (every pyattn module that
+# holds one: _api, _kvcache, _merge, the package itself): the core and any function of it bound
+# to a name of its own (for speed, e.g. the small-call entry points); _use repoints every one.
+_MODULES = tuple(
+    m for n, m in sorted(sys.modules.items()) if n.split(".")[0] == "pyattn" and getattr(m, "_core", None) is api._core
+)
 _ALIASES = {
     mod: {
         name: fn.__name__
@@ -93,13 +94,15 @@ def _cases(keys: list[str], shapes: list[str]) -> dict:
                 kw = bench_variants.variant_kwargs(c, variant)
                 cases[name] = functools.partial(pyattn.scaled_dot_product_attention, q, k, v, **kw)
     for c in bench_kvcache.PAGED_CASES:  # the decode on a contiguous cache, and on the paged one
+        names = [f"{c.name} {what}" for what in ("contiguous", "paged")]
+        if not any(k in name for k in keys for name in names):
+            continue
         q, kc, vc, kp, vp, table, lens = bench_kvcache.paged_inputs(c)
-        for name, call in (
-            (f"{c.name} contiguous", functools.partial(pyattn.kvcache_attention, q, kc, vc, lens)),
-            (f"{c.name} paged", functools.partial(pyattn.kvcache_attention, q, kp, vp, lens, block_table=table)),
-        ):
-            if any(k in name for k in keys):
-                cases[name] = call
+        calls = (
+            functools.partial(pyattn.kvcache_attention, q, kc, vc, lens),
+            functools.partial(pyattn.kvcache_attention, q, kp, vp, lens, block_table=table),
+        )
+        cases.update((name, call) for name, call in zip(names, calls) if any(k in name for k in keys))
     rng = np.random.default_rng(0)
     for s in shapes:
         parts = s.split(",")
