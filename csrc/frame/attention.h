@@ -1489,6 +1489,18 @@ struct Attention {
     Slots ring[PFD + 1];
   };
 
+  //   prefetch this block's V rows [jg, jg + n) (slots cur), and the K and V rows [jg, jg + m)
+  //   of the block ahead (slots as, its first an rows), m = min(n, an - jg)
+  PYATTN_ALWAYS_INLINE void prefetch_keys_ahead(const KV* vb0, const Slots& cur, const GroupRun& ahead, const Slots& as,
+                                                index_t an, index_t jg, index_t n) const {
+    prefetch_slots(vb0, a.v_rs, a.v_ps, cur, jg, n, a.Ev);
+    const index_t m = min_of<index_t>(n, an - jg);
+    if (m > 0) {
+      prefetch_slots(ahead.kb0, a.k_rs, a.k_ps, as, jg, m, a.E);
+      prefetch_slots(ahead.vb0, a.v_rs, a.v_ps, as, jg, m, a.Ev);
+    }
+  }
+
   // Whether the call's K/V (all groups, all keys) fit in half a typical L3.
   bool decode_cached() const {
     return double(a.bh / a.group) * double(a.Lk) * double(a.E + a.Ev) * double(sizeof(KV)) <= 16.0 * (1 << 20);
@@ -1579,7 +1591,6 @@ struct Attention {
     const float* ks0 = u.ks0;
     const float* vs0 = u.vs0;
     auto krow = [&](const Slots& s, index_t j) { return kb0 + s.page[j] * a.k_ps + s.slot[j] * a.k_rs; };
-    auto vrow = [&](const Slots& s, index_t j) { return vb0 + s.page[j] * a.v_ps + s.slot[j] * a.v_rs; };
     const Slots& as = ahead.ring[ablk % (PFD + 1)];
     const index_t an = min_of<index_t>(db, ahead.j1 - (ahead.j0 + ablk * db));  // rows to prefetch
     auto akrow = [&](index_t j) { return ahead.kb0 + as.page[j] * a.k_ps + as.slot[j] * a.k_rs; };
@@ -1644,12 +1655,8 @@ struct Attention {
       }
     } else if (r.R == 1 || !(cached || kInt8 || grouped_stream_keys<K>::value)) {
       for (index_t jg = 0; jg < kb; jg += 4) {
-        const index_t n = min_of<index_t>(4, kb - jg), m = min_of<index_t>(n, an - jg);
-        prefetch_slots(vb0, a.v_rs, a.v_ps, *cur, jg, n, Ev);
-        if (m > 0) {
-          prefetch_slots(ahead.kb0, a.k_rs, a.k_ps, as, jg, m, E);
-          prefetch_slots(ahead.vb0, a.v_rs, a.v_ps, as, jg, m, Ev);
-        }
+        const index_t n = min_of<index_t>(4, kb - jg);
+        prefetch_keys_ahead(vb0, *cur, ahead, as, an, jg, n);
         for (index_t j = jg; j < jg + n; ++j) K::dot_rows(r.q, E, r.R, krow(*cur, j), E, r.s + j, db);
       }
     } else {
@@ -1670,12 +1677,7 @@ struct Attention {
             prefetch_rows(ahead.vb0 + ak * a.v_rs, a.v_rs, m, Ev);
           }
         } else if (streamed) {  // through a block table: the same runs, cut where a block ends
-          const index_t m = min_of<index_t>(n, an - jg);
-          prefetch_slots(vb0, a.v_rs, a.v_ps, *cur, jg, n, Ev);
-          if (m > 0) {
-            prefetch_slots(ahead.kb0, a.k_rs, a.k_ps, as, jg, m, E);
-            prefetch_slots(ahead.vb0, a.v_rs, a.v_ps, as, jg, m, Ev);
-          }
+          prefetch_keys_ahead(vb0, *cur, ahead, as, an, jg, n);
         }
         K::dot_keys(r.q, E, r.R, krows + jg, n, E, r.s + jg, db);
       }
