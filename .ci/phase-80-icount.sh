@@ -1,10 +1,12 @@
 # Sourced by .ci/run (shares begin/end, $py, $venv, $repo, $work). The instruction-count gate
-# (tools/icount.py): a prefill tile loop, a causal prefill, a decode step, a GEMM block and a small
-# call's Python path run under valgrind's callgrind on the installed pyattn (AVX2 kernels, one
-# thread: the same counts on Zen 3 and Zen 5), and the phase fails when a count per call grows
-# more than the baseline's margin (2%) over benches/icount_baseline.json. Counted twice: the two
+# (tools/icount.py): a prefill tile loop, a causal prefill, a decode step, two decode steps over
+# streamed (prefetched) contiguous and paged caches, a GEMM block and a small call's Python path
+# run under valgrind's callgrind on the installed pyattn (AVX2 kernels, one thread: the same
+# counts on Zen 3 and Zen 5), and the phase fails when a count per call grows more than the
+# baseline's margin (2%) over benches/icount_baseline.json, or the core's count falls more than
+# that under it (work the compiler deleted, as GCC did the prefetches). Counted twice: the two
 # runs must agree to the instruction. Wall time cannot gate on these shared machines; instruction
-# counts can. About a minute on the 2-core VM (each counted run ~20-25 s of CPU).
+# counts can. About two minutes on the 2-core VM (each counted run ~40 s of CPU).
 # A deliberate change of the counts is a commit of `python tools/icount.py --update` with its
 # reason (README, "Tracking speed over time").
 
