@@ -27,6 +27,8 @@ BASE = {"env": ENV, "regions": {"decode_paged": {"total": 1000, "core": 800}}}
         (1000, 800, False),
         (1019, 815, False),  # within 2% both ways
         (985, 785, False),
+        (1020, 816, False),  # exactly the margin: "more than" it fails
+        (1000, 784, False),
         (1000, 817, True),  # the core grew past the margin
         (1030, 800, True),  # the total grew past it
         (1000, 783, True),  # the core fell past it: work the compiler dropped (prefetches, 3bca3d5)
@@ -54,9 +56,20 @@ def test_gate_other_numpy_gates_core_only():
     assert failures and "core" in failures[0]
 
 
-def test_baseline_covers_the_streamed_decodes():
-    """The committed baseline gates the prefetched decodes, where dropped prefetches show."""
-    import json
+def test_gate_region_missing_from_the_run_fails():
+    base = {"env": ENV, "regions": {**BASE["regions"], "decode_streamed": {"total": 10, "core": 8}}}
+    _, failures = icount.gate(_run(1000, 800), base, 0.02)
+    assert failures == ["decode_streamed: in the baseline, not counted by this run"]
 
+
+def test_baseline_matches_the_regions_counted():
+    """The committed baseline has a count for every region the script counts, and no other,
+    the prefetched decodes (where dropped prefetches show) among them."""
+    import json
+    import re
+
+    counted = re.findall(r'^    \("(\w+)", "', icount.CHILD, flags=re.M)
     base = json.loads(icount.BASELINE.read_text())
-    assert {"decode_streamed", "decode_paged", "prefill", "prefill_causal"} <= set(base["regions"])
+    assert sorted(counted) == sorted(base["regions"])
+    assert {"decode_streamed", "decode_paged", "prefill", "prefill_causal"} <= set(counted)
+    assert all(r["total"] > 0 and r["core"] > 0 for r in base["regions"].values())
