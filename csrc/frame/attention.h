@@ -1669,6 +1669,8 @@ struct Attention {
       const index_t KG = streamed ? 4 : 16;
       for (index_t jg = 0; jg < kb; jg += KG) {
         const index_t n = min_of<index_t>(KG, kb - jg);
+        // A contiguous cache's runs from key * rs directly (through prefetch_keys_ahead's slots
+        // scan, as a paged cache's: 0.97x on contiguous float32 and float16 grouped caches, AVX-512).
         if (streamed && !a.block_table) {  // a contiguous cache: runs of rows, key * rs on
           const index_t ak = ahead.j0 + ablk * db + jg, m = min_of<index_t>(n, an - jg);
           prefetch_rows(vb0 + (k0 + jg) * a.v_rs, a.v_rs, n, Ev);
