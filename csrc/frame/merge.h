@@ -28,7 +28,7 @@ struct Merge {
       for (index_t i = 0; i < g.n; ++i) {
         const double l = g.lses[i][r * g.l_s[i]];
         if (l == -std::numeric_limits<double>::infinity()) continue;
-        c[m] = std::exp(l - M);
+        c[m] = l == M ? 1.0 : std::exp(l - M);  // exp(0) is 1 exactly: one libm call a row fewer
         s += c[m];
         idx[m++] = i;
       }
