@@ -82,7 +82,7 @@ def sdpa(seed, b, hq, hkv, lq, lk, d, causal=False):
     return lambda: pyattn.scaled_dot_product_attention(q, k, v, is_causal=causal, **kw)
 
 
-def paged(seed, b, hq, hkv, lk, d, block):
+def kvcache(seed, b, hq, hkv, lk, d, block):
     # a decode step over K/V past decode_cached's 16 MiB: rows streamed from memory, prefetched
     # ahead (through a block table with block, else contiguous), the calls GCC once dropped
     (q,) = arrays(seed, (b, hq, 1, d))
@@ -110,9 +110,9 @@ REGIONS = [
     ("decode", "sdpa decode B1 Hq8 Hkv2 Lq1 Lk1000 D128 (GQA): one decode step", 2,
      lambda: sdpa(3, 1, 8, 2, 1, 1000, 128)),
     ("decode_streamed", "kvcache B1 Hq8 Hkv2 Lk16400 D128 contiguous: rows streamed, prefetched", 1,
-     lambda: paged(6, 1, 8, 2, 16400, 128, 0)),
+     lambda: kvcache(6, 1, 8, 2, 16400, 128, 0)),
     ("decode_paged", "kvcache B1 Hq8 Hkv2 Lk16400 D128 block 16: prefetched through the table", 1,
-     lambda: paged(7, 1, 8, 2, 16400, 128, 16)),
+     lambda: kvcache(7, 1, 8, 2, 16400, 128, 16)),
     ("gemm", "matmul (200, 256) @ (256, 330): a GEMM block with edges", 1, lambda: matmul(4, 200, 256, 330)),
     ("small_call", "sdpa B1 H1 Lq1 Lk16 D64: a small call's Python path", 20, lambda: sdpa(5, 1, 1, 1, 1, 16, 64)),
 ]
