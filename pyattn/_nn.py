@@ -141,7 +141,8 @@ def multi_head_attention(
     for w, name in zip(ws, ("w_q", "w_k", "w_v", "w_o")):
         if w.ndim != 2:
             raise ValueError(f"{name} must be 2-D (in_features, out_features); got shape {w.shape}")
-    B = max(q_in.shape[0], k_in.shape[0], v_in.shape[0])  # a batch of 1 broadcasts
+    # a batch of 1 broadcasts against any other, 0 included (as NumPy's broadcasting)
+    B = next((a.shape[0] for a in (q_in, k_in, v_in) if a.shape[0] != 1), 1)
     for a, name in ((q_in, "query"), (k_in, "key"), (v_in, "value")):
         if a.shape[0] not in (1, B):
             raise ValueError(f"{name} has batch size {a.shape[0]}; expected {B} (or 1)")

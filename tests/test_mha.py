@@ -410,3 +410,19 @@ def test_unbatched_key_padding_mask_shape_error(rng):
         *[a[None] if i < 3 else a for i, a in enumerate(args)], key_padding_mask=np.array([[False, False, True]])
     )
     np.testing.assert_array_equal(got, want[0])
+
+
+@pytest.mark.parametrize("bq,bkv", [(0, 1), (1, 0), (0, 0)])
+def test_empty_batch_broadcasts_against_a_batch_of_one(rng, bq, bkv):
+    """A batch of 0 against a batch of 1 is an empty batch, as NumPy broadcasts it and as the
+    oracle gives (it was refused: "query has batch size 0; expected 1 (or 1)"); 0 against 3 is
+    still an error."""
+    w = [randn(rng, (8, 8)) for _ in range(4)]
+    q, kv = randn(rng, (bq, 3, 8)), randn(rng, (bkv, 4, 8))
+    want, _ = reference.multi_head_attention(q, kv, kv, 2, *w)
+    got, _ = pyattn.multi_head_attention(q, kv, kv, 2, *w)
+    assert want.shape == got.shape == (0, 3, 8)
+    got, _ = pyattn.MultiHeadAttention(8, 2)(q, kv, kv)
+    assert got.shape == (0, 3, 8)
+    with pytest.raises(ValueError, match="batch size 3; expected 0"):
+        pyattn.multi_head_attention(randn(rng, (0, 3, 8)), randn(rng, (3, 4, 8)), randn(rng, (3, 4, 8)), 2, *w)
