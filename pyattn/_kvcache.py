@@ -27,6 +27,7 @@ from ._validate import (
     dtype_arg,
     float_array,
     int64_values,
+    integer_array,
     is_float64,
     kernel_factors,
     lead_offsets,
@@ -232,9 +233,7 @@ def _cache_attention(
 
     table = t = None
     if block_table is not None:
-        t = as_array(block_table, "block_table")
-        if t.dtype.kind not in "iu":
-            raise TypeError(f"block_table must be an integer array; got dtype {t.dtype}")
+        t = integer_array(as_array(block_table, "block_table"), "block_table")
         if t.ndim != 2 or t.shape[0] != B:
             raise ValueError(f"block_table has shape {t.shape}; expected (B = {B}, max_blocks)")
         # A snapshot, checked below in t's own type (entries past those a call reads are never
@@ -757,9 +756,7 @@ def varlen_attention(
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
     cu, lens = [], []
     for c, name, total in ((cu_seqlens_q, "cu_seqlens_q", Tq), (cu_seqlens_k, "cu_seqlens_k", Tk)):
-        c = as_array(c, name)
-        if c.dtype.kind not in "iu":
-            raise TypeError(f"{name} must be an integer array; got dtype {c.dtype}")
+        c = integer_array(as_array(c, name), name)
         if c.ndim != 1 or c.size < 1:
             raise ValueError(f"{name} must be a 1-D integer array (B + 1,); got {c.dtype} {c.shape}")
         c = int64_values(c, name)  # differences taken in int64: an unsigned or narrow type would wrap

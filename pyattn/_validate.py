@@ -265,12 +265,26 @@ def scale_value(scale, E: int) -> float:
         raise ValueError(f"scale must fit a float64; got {scale!r}") from None
 
 
+def integer_array(a: np.ndarray, name: str) -> np.ndarray:
+    """``a`` where its dtype is an integer type. NumPy stores Python ints past the int64 / uint64
+    range as objects: an array of ints only is out of range (a ValueError, as any value out of
+    range is), or, made as objects on purpose, holds ints that fit and comes back as int64.
+    Anything else is a TypeError."""
+    if a.dtype.kind in "iu":
+        return a
+    if a.dtype == object and a.size and all(isinstance(x, (int, np.integer)) and type(x) is not bool for x in a.flat):
+        lo, hi = min(a.flat), max(a.flat)
+        info = np.iinfo(np.int64)
+        if lo < info.min or hi > info.max:
+            raise ValueError(f"{name} holds {hi if hi > info.max else lo}, outside the int64 range")
+        return a.astype(np.int64)
+    raise TypeError(f"{name} must be an integer array; got dtype {a.dtype}")
+
+
 def int64_values(x, name: str) -> np.ndarray:
     """An integer array as int64, refusing what int64 cannot hold (unsigned values past 2**63 - 1)
     rather than letting the cast wrap them."""
-    a = as_array(x, name)
-    if a.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be an integer array; got dtype {a.dtype}")
+    a = integer_array(as_array(x, name), name)
     if a.dtype.kind == "u" and a.size and a.max() > np.iinfo(np.int64).max:
         raise ValueError(f"{name} holds {a.max()}, past the largest int64")
     return a.astype(np.int64)
@@ -433,9 +447,7 @@ def key_counts(kv_lens, lead: tuple, Lk: int):
     if kv_lens is None:
         return None
     # a snapshot: what is checked here is what the kernel reads without the GIL
-    a = np.array(as_array(kv_lens, "kv_lens"))
-    if a.dtype.kind not in "iu":
-        raise TypeError(f"kv_lens must be an integer array; got dtype {a.dtype}")
+    a = integer_array(np.array(as_array(kv_lens, "kv_lens")), "kv_lens")
     batch = lead[:-1]
     b = broadcast_named(a, batch, "kv_lens", "the axes before the heads")
     if b.size and (b.min() < 0 or b.max() > Lk):

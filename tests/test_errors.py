@@ -612,3 +612,41 @@ def test_extended_precision_arguments_are_refused(arg):
             mha(x, key_padding_mask=np.zeros((1, 4), ld))
         else:
             pyattn.scaled_dot_product_attention(q, q, q, **{arg: np.zeros(2, ld)})
+
+
+# --------------------------------------------------------------------------- ints past int64
+
+
+@pytest.mark.parametrize("big", [2**70, -(2**70), [3, 2**70]])
+def test_integer_arguments_past_int64_are_out_of_range(big):
+    """NumPy stores Python ints past the int64 / uint64 range as objects: they are values out of
+    range (ValueError, as 2**62 is), not a wrong dtype (an adversarial review found TypeError)."""
+    from pyattn import reference
+
+    kl = big if np.ndim(big) == 0 else np.array(big, dtype=object)
+    for f in (sdpa, reference.scaled_dot_product_attention):
+        with pytest.raises(ValueError, match="kv_lens"):
+            f(Q, K, V, kv_lens=kl)
+    q1, c = np.ones((1, 1, 1, 4), np.float32), np.ones((2, 1, 4, 4), np.float32)
+    bad = np.array([[big if np.ndim(big) == 0 else big[1]]], dtype=object)
+    with pytest.raises(ValueError, match="block_table"):
+        pyattn.kvcache_attention(q1, c, c, [1], block_table=bad)
+    with pytest.raises(ValueError, match="cache_lens"):
+        pyattn.kvcache_attention(q1, c[:1], c[:1], bad[0])
+    t = np.ones((3, 1, 4), np.float32)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        pyattn.varlen_attention(t, t, t, [0, bad[0, 0]], [0, 3])
+
+
+def test_integer_arguments_as_objects_that_fit_are_taken():
+    """An object array of ints that fit int64 is an integer array (as NumPy's own casts take it);
+    bools and floats in one are not."""
+    from pyattn import reference
+
+    kl = np.array([4, 6], dtype=object)
+    want = sdpa(Q, K, V, kv_lens=np.array([4, 6]))
+    np.testing.assert_array_equal(sdpa(Q, K, V, kv_lens=kl), want)
+    np.testing.assert_allclose(reference.scaled_dot_product_attention(Q, K, V, kv_lens=kl), want, rtol=1e-5, atol=1e-6)
+    for bad in (np.array([True, False], dtype=object), np.array([4.0, 6.0], dtype=object)):
+        with pytest.raises(TypeError, match="kv_lens must be an integer array"):
+            sdpa(Q, K, V, kv_lens=bad)
