@@ -643,7 +643,7 @@ def test_model_not_using_the_attention_interface_gets_a_clear_error():
     'Tensor' and 'PyattnMask'"); any torch operation on the mask now says why and what to use."""
     config = transformers.BloomConfig(vocab_size=100, hidden_size=64, n_layer=1, n_head=4)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=pt.NAME).eval()
-    with pytest.raises(TypeError, match=r"computes its attention itself.*attn_implementation='eager' or 'sdpa'"):
+    with pytest.raises(TypeError, match=r"computes its attention itself.*attn_implementation='eager' \(or 'sdpa'"):
         model(torch.randint(0, 100, (2, 7)))
     mask = pt.PyattnMask((1, 1, 2, 2))
     ops = (
@@ -675,3 +675,97 @@ def test_more_models_not_using_the_attention_interface(model_type):
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=pt.NAME).eval()
     with pytest.raises(TypeError, match="computes its attention itself"):
         model(torch.randint(3, 96, (1, 5)))
+
+
+def _with_sinks_eager(q, k, v, sinks, mask, scale):
+    """Attention with one extra sink logit per (B, H, Lq) row beside the keys (Inkling2's eager
+    form: softmax over (scores, sink), the sink's column dropped), float64; GQA heads repeated."""
+    g = q.shape[1] // k.shape[1]
+    k, v = (x.double().repeat_interleave(g, dim=1) for x in (k, v))
+    s = q.double() @ k.transpose(-1, -2) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, -torch.inf)
+    p = torch.softmax(torch.cat([s, sinks.double().expand(*s.shape[:-1], 1)], dim=-1), dim=-1)[..., :-1]
+    return (p @ v).transpose(1, 2), p
+
+
+@pytest.mark.parametrize("lq", [1, 5])
+def test_per_row_sinks_keyword(lq):
+    """A `sinks` keyword of one logit per head and query row (Inkling2 passes it so, gpt-oss its
+    per-head sinks as `s_aux`) joins each row's softmax: it was swallowed by **kwargs and the
+    logits differed from eager by O(1), silently (an adversarial review). Output and weights
+    match the eager form, decode step and prefill, with a padding mask and +-inf sinks; a row
+    that sees no key is zeros, as pyattn's own sinks give (eager: NaN for a -inf sink there)."""
+    g = torch.Generator().manual_seed(3)
+    B, Hq, Hkv, Lk, D = 2, 4, 2, 7, 8
+    q = torch.randn(B, Hq, lq, D, generator=g)
+    k, v = torch.randn(B, Hkv, Lk, D, generator=g), torch.randn(B, Hkv, Lk, D, generator=g)
+    sinks = torch.randn(B, Hq, lq, 1, generator=g) * 2
+    sinks[0, 1, 0, 0], sinks[1, 2, -1, 0] = torch.inf, -torch.inf
+    mask = torch.ones(B, 1, lq, Lk, dtype=torch.bool)
+    mask[1, :, 0] = False  # a row that sees no key
+    for m in (None, mask):
+        for weights in (False, True):
+            out, w = pt.attention_forward(
+                _module(False), q, k, v, m, scaling=0.3, sinks=sinks, output_attentions=weights
+            )
+            want, wp = _with_sinks_eager(q, k, v, sinks, m, 0.3)
+            want = torch.nan_to_num(want)  # eager's NaN where a row that sees no key has a -inf sink: zeros
+            np.testing.assert_allclose(out.double().numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+            if weights:
+                np.testing.assert_allclose(w.double().numpy(), torch.nan_to_num(wp).numpy(), rtol=1e-5, atol=1e-6)
+    one = torch.randn(Hq, generator=g)  # per head: pyattn's own sinks, as s_aux
+    a, _ = pt.attention_forward(_module(False), q, k, v, None, sinks=one)
+    b, _ = pt.attention_forward(_module(False), q, k, v, None, s_aux=one)
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="both s_aux and sinks"):
+        pt.attention_forward(_module(False), q, k, v, None, sinks=one, s_aux=one)
+    with pytest.raises(ValueError, match="sinks has shape"):
+        pt.attention_forward(_module(False), q, k, v, None, sinks=torch.zeros(B, Hq + 1, lq, 1))
+
+
+def test_inkling2_per_row_sinks_match_eager(calls):
+    """The model that passes per-row sinks, end to end (skipped where transformers lacks it)."""
+    cls = getattr(transformers, "Inkling2ForCausalLM", None)
+    if cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no Inkling2")
+    config = transformers.AutoConfig.for_model(
+        "inkling2_text", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128, sliding_window=6,
+        moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, pad_token_id=0, initializer_range=0.1,
+    )  # fmt: skip
+    cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    torch.manual_seed(0)
+    eager = cls(config).eval()
+    fast = copy.deepcopy(eager)
+    eager.set_attn_implementation("eager")
+    fast.set_attn_implementation(pt.NAME)
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = eager(input_ids=ids).logits, fast(input_ids=ids).logits
+    assert calls.n > 0
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=LOGIT_TOL, rtol=0)
+
+
+def test_backward_raises_when_only_sinks_or_position_bias_train():
+    """The autograd tie covers every tensor the output depends on: with the projections frozen
+    and only gpt-oss's sinks trainable, backward left them without a gradient instead of
+    raising (an adversarial review); so for a float mask or T5's position bias."""
+    _, fast = _pair("gpt_oss")
+    for n, p in fast.named_parameters():
+        p.requires_grad_(n.endswith("sinks") or n.startswith("lm_head"))
+    with pytest.raises(RuntimeError, match="no backward pass"):
+        fast(input_ids=torch.randint(3, VOCAB, (1, 6))).logits.sum().backward()
+    q, k, v = _qkv()
+    for extra in (
+        {"s_aux": torch.zeros(2, requires_grad=True)},
+        {"sinks": torch.zeros(1, 2, 3, 1, requires_grad=True)},
+        {"position_bias": torch.zeros(1, 2, 3, 3, requires_grad=True)},
+    ):
+        out, _ = pt.attention_forward(_module(), q, k, v, None, **extra)
+        with pytest.raises(RuntimeError, match="no backward pass"):
+            out.sum().backward()
+    bias = torch.zeros(1, 1, 3, 3, requires_grad=True)
+    out, _ = pt.attention_forward(_module(), q, k, v, bias)
+    with pytest.raises(RuntimeError, match="no backward pass"):
+        out.sum().backward()

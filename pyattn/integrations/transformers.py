@@ -10,8 +10,9 @@
   ``(B, Hq, Lq, D)`` and the key/value ``(B, Hkv, Lk, D)`` the model hands over (grouped-query
   heads are not repeated) are viewed as NumPy arrays without a copy and computed by
   :func:`pyattn.scaled_dot_product_attention`, which writes straight into the ``(B, Lq, Hq, D)``
-  tensor the model expects. The model's ``scaling``, ``softcap`` (Gemma 2) and ``s_aux`` sinks
-  (gpt-oss) are passed through.
+  tensor the model expects. The model's ``scaling``, ``softcap`` (Gemma 2) and sinks (gpt-oss's
+  ``s_aux`` per head; a ``sinks`` keyword per head or per head and query row, as Inkling2's) are
+  passed through.
 - to ``AttentionMaskInterface``, the mask (:func:`mask_function`). Without it transformers would
   hand the attention no mask at all and padding would be lost. It does not build the dense
   ``(B, 1, Lq, Lk)`` mask the other backends get: it recognises transformers' causal, sliding
@@ -63,9 +64,10 @@ NAME = "pyattn"
 
 
 _NOT_THROUGH_INTERFACE = (
-    "this model computes its attention itself instead of through transformers' AttentionInterface, "
-    f"so attn_implementation={NAME!r} cannot serve it (its layers received pyattn's mask, which only "
-    "pyattn's attention reads): load it with attn_implementation='eager' or 'sdpa'"
+    f"this model does torch operations on the attention mask that attn_implementation={NAME!r} hands it "
+    "(it computes its attention itself, or changes the mask before it calls transformers' "
+    "AttentionInterface), and that mask holds pyattn's fused keywords, not a tensor: load the model "
+    "with attn_implementation='eager' (or 'sdpa' where the model supports it)"
 )
 
 
@@ -469,6 +471,7 @@ def attention_forward(
         v = _numpy(value if value.dtype == compute else value.to(compute))
     if s_aux is not None:
         kw["sinks"] = s_aux.detach().to(compute).cpu().numpy()
+    row_sinks = _row_sinks(kwargs.get("sinks"), s_aux, (B, Hq, Lq), compute, kw)
     if softcap is not None:
         kw["softcap"] = float(softcap)
 
@@ -477,7 +480,12 @@ def attention_forward(
     if Lq == 1 and not want_weights:
         # A decode step: (B, Hq, 1, Dv) is already laid out as (B, 1, Hq, Dv), and without out=
         # pyattn's small-call path in C serves the call (no padding, no variant)
-        res = pyattn.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=Hq != Hkv, **kw)
+        res = pyattn.scaled_dot_product_attention(
+            q, k, v, scale=scale, enable_gqa=Hq != Hkv, return_lse=row_sinks is not None, **kw
+        )
+        if row_sinks is not None:
+            res, lse = res
+            res *= _sink_factor(lse, row_sinks)[..., None]  # (B, Hq, 1, Dv)
         out_t, weights = torch.from_numpy(res).transpose(1, 2), None
     else:
         out_t = torch.empty((B, Lq, Hq, Dv), dtype=compute)
@@ -488,16 +496,62 @@ def attention_forward(
             scale=scale,
             enable_gqa=Hq != Hkv,
             return_weights=want_weights,
+            return_lse=row_sinks is not None,
             out=out_t.numpy().transpose(0, 2, 1, 3),  # (B, Hq, Lq, Dv) view: written in place, no copy
             **kw,
         )
         weights = torch.from_numpy(res[1]) if want_weights else None
+        if row_sinks is not None:
+            f = _sink_factor(res[-1], row_sinks)  # (B, Hq, Lq)
+            out_t.numpy().transpose(0, 2, 1, 3)[...] *= f[..., None]
+            if weights is not None:
+                weights *= torch.from_numpy(f)[..., None]
     if compute != dt:
         out_t = out_t.to(dt)
         weights = weights.to(dt) if weights is not None else None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        out_t = _NoBackward.apply(out_t, query, key, value)
+    # Every tensor the output depends on: the sinks, a learned position bias or a float mask may
+    # be trained while the projections are frozen (the tie was on query, key and value only, and
+    # a backward pass then left the sinks without a gradient instead of raising)
+    inputs = [query, key, value, s_aux, kwargs.get("sinks"), position_bias, attention_mask]
+    inputs = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    if torch.is_grad_enabled() and inputs:
+        out_t = _NoBackward.apply(out_t, *inputs)
     return out_t, weights
+
+
+def _row_sinks(sinks, s_aux, shape: tuple, compute, kw: dict) -> Optional[np.ndarray]:
+    """A ``sinks`` keyword (Inkling2: one sink logit per head and query row, ``(B, Hq, Lq, 1)``;
+    gpt-oss passes its per-head sinks as ``s_aux``): per head, it goes to pyattn's ``sinks`` (in
+    ``kw``); per row, it is returned as a ``(B, Hq, Lq)`` array for :func:`_sink_factor`."""
+    if sinks is None:
+        return None
+    if s_aux is not None:
+        raise ValueError("pyattn attention: got both s_aux and sinks; a model passes its sinks as one of them")
+    _check_tensor(sinks, "sinks")
+    t = sinks.detach().to(compute).cpu()
+    if t.ndim <= 1:  # one per head, as s_aux
+        kw["sinks"] = t.numpy()
+        return None
+    B, Hq, Lq = shape
+    if t.ndim == 4 and t.shape[-1] == 1:
+        t = t[..., 0]
+    try:
+        return np.ascontiguousarray(np.broadcast_to(t.numpy(), shape))
+    except ValueError:
+        raise ValueError(
+            f"pyattn attention: sinks has shape {tuple(sinks.shape)}; expected one per head (Hq,) = ({Hq},) "
+            f"or one per head and query row, broadcastable to (B, Hq, Lq, 1) = {(B, Hq, Lq, 1)}"
+        ) from None
+
+
+def _sink_factor(lse: np.ndarray, sinks: np.ndarray) -> np.ndarray:
+    """A sink logit z beside a row's keys: softmax over (scores, z) drops the sink's share, so
+    the row's output and weights are those without it times sum / (sum + e^z) = sigmoid(lse - z).
+    A row that sees no key (lse -inf) stays zeros whatever its sink, -inf included, as pyattn's
+    own sinks leave it (eager's softmax over only -inf logits gives NaN there)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        f = 1.0 / (1.0 + np.exp(sinks - lse))
+    return np.where(np.isneginf(lse), 0.0, f).astype(lse.dtype, copy=False)
 
 
 # -------------------------------------------------------------------------------------- register
