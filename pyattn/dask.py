@@ -39,6 +39,7 @@ from ._validate import (
     alibi_span,
     broadcast_named,
     check_gqa_heads,
+    integer_array,
     kernel_factors,
     scale_value,
     softcap_value,
@@ -525,8 +526,9 @@ def scaled_dot_product_attention(
     if v.shape[-2] != Lk:
         raise ValueError(f"value has length {v.shape[-2]} (shape {v.shape}); expected Lk = {Lk} from key {k.shape}")
     if kv_lens is not None:
-        kl = np.asarray(kv_lens)
-        if kl.dtype.kind in "iu" and kl.size and (kl.min() < 0 or kl.max() > Lk):
+        # (ints held as objects, as the NumPy function takes them: int64, or out of range)
+        kv_lens = kl = integer_array(np.asarray(kv_lens), "kv_lens")
+        if kl.size and (kl.min() < 0 or kl.max() > Lk):
             raise ValueError(f"kv_lens must be in [0, Lk = {Lk}]; got values from {kl.min()} to {kl.max()}")
 
     if enable_gqa:  # checked here on the real shapes: the stand-ins' (1, 1) would show in its errors

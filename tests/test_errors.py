@@ -638,6 +638,24 @@ def test_integer_arguments_past_int64_are_out_of_range(big):
         pyattn.varlen_attention(t, t, t, [0, bad[0, 0]], [0, 3])
 
 
+def test_dask_kv_lens_as_objects_are_range_checked():
+    """pyattn.dask checks kv_lens itself: an object array of ints out of [0, Lk] (or past int64)
+    is a ValueError, as in the NumPy call, not clamped in each task (a review found the range
+    check skipped for object arrays)."""
+    da = pytest.importorskip("dask.array")
+    import pyattn.dask as pdask
+
+    q, k = (da.from_array(x) for x in (Q, K))
+    v = da.from_array(V)
+    for bad in ([3, 70], [3, -5], [3, 2**70]):
+        with pytest.raises(ValueError, match="kv_lens"):
+            pdask.scaled_dot_product_attention(q, k, v, kv_lens=np.array(bad, dtype=object))
+    got = pdask.scaled_dot_product_attention(q, k, v, kv_lens=np.array([3, 6], dtype=object)).compute(
+        scheduler="synchronous"
+    )
+    np.testing.assert_allclose(got, sdpa(Q, K, V, kv_lens=np.array([3, 6])), rtol=1e-6, atol=1e-7)
+
+
 def test_integer_arguments_as_objects_that_fit_are_taken():
     """An object array of ints that fit int64 is an integer array (as NumPy's own casts take it);
     bools and floats in one are not."""
