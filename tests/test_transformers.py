@@ -722,6 +722,8 @@ def test_per_row_sinks_keyword(lq):
         pt.attention_forward(_module(False), q, k, v, None, sinks=one, s_aux=one)
     with pytest.raises(ValueError, match="sinks has shape"):
         pt.attention_forward(_module(False), q, k, v, None, sinks=torch.zeros(B, Hq + 1, lq, 1))
+    with pytest.raises(ValueError, match="sinks has shape"):  # 2-D: per head and batch, or per row?
+        pt.attention_forward(_module(False), q, k, v, None, sinks=torch.zeros(B, Hq))
 
 
 def test_inkling2_per_row_sinks_match_eager(calls):

@@ -533,10 +533,10 @@ def _row_sinks(sinks, s_aux, shape: tuple, compute, kw: dict) -> Optional[np.nda
         kw["sinks"] = t.numpy()
         return None
     B, Hq, Lq = shape
-    if t.ndim == 4 and t.shape[-1] == 1:
-        t = t[..., 0]
     try:
-        return np.ascontiguousarray(np.broadcast_to(t.numpy(), shape))
+        if t.ndim != 4 or t.shape[-1] != 1:  # (B, Hq) would right-align as (Hq, Lq): refused
+            raise ValueError
+        return np.ascontiguousarray(np.broadcast_to(t[..., 0].numpy(), shape))
     except ValueError:
         raise ValueError(
             f"pyattn attention: sinks has shape {tuple(sinks.shape)}; expected one per head (Hq,) = ({Hq},) "
