@@ -60,8 +60,9 @@ def merge_attention_states(outputs, lses, *, out=None):
     whatever its output holds; when every state is empty the output is zeros and the lse
     ``-inf``. A state with ``lse_n = +inf`` (a ``+inf`` sink) takes all the weight: the row is its
     output and the lse ``+inf``, as the call over the union gives (plus 0 times the other states'
-    outputs where their lse is finite, so that their NaN reaches the row; with two such states or
-    a NaN lse the row is NaN). NaN propagates. With ``sinks``, give the sinks to one of the calls
+    outputs where their lse is finite, so that their NaN reaches the row; with two such states
+    the row's output is NaN and its lse ``+inf`` (log of inf + inf), with a NaN lse both are NaN).
+    NaN propagates. With ``sinks``, give the sinks to one of the calls
     only: each sink must be counted once in the union.
 
     The weights and the sum are computed in float64; the results have the promoted dtype of the
