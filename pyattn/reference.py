@@ -119,8 +119,9 @@ def _kv_lens(x, lead, lk):
     """kv_lens as int64 of shape ``lead[:-1]`` (the leading axes before the heads)."""
     a = np.asarray(x)
     # (NumPy keeps Python ints past int64 as objects: range-checked below like any other)
-    ints = a.dtype == object and a.size and all(isinstance(v, (int, np.integer)) for v in a.flat)
-    ints = ints and not any(type(v) is bool for v in a.flat)
+    ints = (
+        a.dtype == object and a.size and all(isinstance(v, (int, np.integer)) and type(v) is not bool for v in a.flat)
+    )
     if a.dtype.kind not in "iu" and not ints:
         raise TypeError(f"kv_lens must be an integer array; got dtype {a.dtype}")
     want = lead[:-1]

@@ -477,15 +477,12 @@ def attention_forward(
 
     want_weights = bool(kwargs.get("output_attentions", False))
     scale = None if scaling is None else float(scaling)
+    want_lse = row_sinks is not None
     if Lq == 1 and not want_weights:
         # A decode step: (B, Hq, 1, Dv) is already laid out as (B, 1, Hq, Dv), and without out=
         # pyattn's small-call path in C serves the call (no padding, no variant)
-        res = pyattn.scaled_dot_product_attention(
-            q, k, v, scale=scale, enable_gqa=Hq != Hkv, return_lse=row_sinks is not None, **kw
-        )
-        if row_sinks is not None:
-            res, lse = res
-            res *= _sink_factor(lse, row_sinks)[..., None]  # (B, Hq, 1, Dv)
+        res = pyattn.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=Hq != Hkv, return_lse=want_lse, **kw)
+        res, lse = res if want_lse else (res, None)
         out_t, weights = torch.from_numpy(res).transpose(1, 2), None
     else:
         out_t = torch.empty((B, Lq, Hq, Dv), dtype=compute)
@@ -496,16 +493,17 @@ def attention_forward(
             scale=scale,
             enable_gqa=Hq != Hkv,
             return_weights=want_weights,
-            return_lse=row_sinks is not None,
+            return_lse=want_lse,
             out=out_t.numpy().transpose(0, 2, 1, 3),  # (B, Hq, Lq, Dv) view: written in place, no copy
             **kw,
         )
         weights = torch.from_numpy(res[1]) if want_weights else None
-        if row_sinks is not None:
-            f = _sink_factor(res[-1], row_sinks)  # (B, Hq, Lq)
-            out_t.numpy().transpose(0, 2, 1, 3)[...] *= f[..., None]
-            if weights is not None:
-                weights *= torch.from_numpy(f)[..., None]
+        lse = res[-1] if want_lse else None
+    if want_lse:  # per-row sinks: each row's share of the softmax that its sink leaves
+        f = torch.from_numpy(_sink_factor(lse, row_sinks))  # (B, Hq, Lq)
+        out_t.mul_(f.transpose(1, 2)[..., None])
+        if weights is not None:
+            weights.mul_(f[..., None])
     if compute != dt:
         out_t = out_t.to(dt)
         weights = weights.to(dt) if weights is not None else None
@@ -533,15 +531,16 @@ def _row_sinks(sinks, s_aux, shape: tuple, compute, kw: dict) -> Optional[np.nda
         kw["sinks"] = t.numpy()
         return None
     B, Hq, Lq = shape
+    bad = ValueError(
+        f"pyattn attention: sinks has shape {tuple(sinks.shape)}; expected one per head (Hq,) = ({Hq},) "
+        f"or one per head and query row, broadcastable to (B, Hq, Lq, 1) = {(B, Hq, Lq, 1)}"
+    )
+    if t.ndim != 4 or t.shape[-1] != 1:  # (B, Hq) would right-align as (Hq, Lq): refused
+        raise bad
     try:
-        if t.ndim != 4 or t.shape[-1] != 1:  # (B, Hq) would right-align as (Hq, Lq): refused
-            raise ValueError
         return np.ascontiguousarray(np.broadcast_to(t[..., 0].numpy(), shape))
     except ValueError:
-        raise ValueError(
-            f"pyattn attention: sinks has shape {tuple(sinks.shape)}; expected one per head (Hq,) = ({Hq},) "
-            f"or one per head and query row, broadcastable to (B, Hq, Lq, 1) = {(B, Hq, Lq, 1)}"
-        ) from None
+        raise bad from None
 
 
 def _sink_factor(lse: np.ndarray, sinks: np.ndarray) -> np.ndarray:
