@@ -73,7 +73,7 @@ def benchmark(quick: bool = True) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m pyattn", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m pyattn", description=__doc__.replace("``", ""))
     which = p.add_mutually_exclusive_group()  # (--full with --no-bench was silently ignored)
     which.add_argument("--no-bench", action="store_true", help="only the walkthrough")
     which.add_argument("--full", action="store_true", help="a longer benchmark")

@@ -62,9 +62,13 @@ _KV_TYPES = {"float16": 1, "bfloat16": 2}  # half-precision K/V the float32 kern
 
 _env_isa = os.environ.get("PYATTN_ISA")
 if _env_isa and _env_isa not in _core.available_isas():
+    _why = (
+        "is not available on this CPU"
+        if _env_isa in ("generic", "avx2", "avx512", "neon")
+        else "names no kernel set (generic, avx2, avx512, neon)"
+    )
     warnings.warn(
-        f"PYATTN_ISA={_env_isa!r} is not available on this CPU (available: "
-        f"{_core.available_isas()}); using {_core.isa()!r}",
+        f"PYATTN_ISA={_env_isa!r} {_why} (available: {_core.available_isas()}); using {_core.isa()!r}",
         RuntimeWarning,
         stacklevel=2,
     )
@@ -268,6 +272,9 @@ def softmax(x, axis=-1, *, scale=None, mask=None, out=None):
         except ValueError:
             raise ValueError(f"mask has shape {np.shape(mask)}; expected a shape broadcastable to {a.shape}") from None
         m = strided_ok(np.moveaxis(m, ax, -1))
+    sc = 1.0 if scale is None else scale_value(scale, 1)
+    if math.isfinite(sc) and abs(sc) > float(np.finfo(dtype).max):  # would round to inf: 0 * inf is NaN
+        raise ValueError(f"scale {scale!r} overflows a {np.dtype(dtype).name} computation")
     if a.size == 0:
         return result if out is None else out
     target = result
@@ -287,7 +294,7 @@ def softmax(x, axis=-1, *, scale=None, mask=None, out=None):
         lead_offsets(ts, nl), elem_strides(ts)[-1],  # ooff, ocs
         mask_kind, m, lead_offsets(m, nl) if m is not None else None,  # mask_kind, mask, moff
         elem_strides(m)[-1] if m is not None else 0,  # mcs
-        1.0 if scale is None else scale_value(scale, 1),  # scale
+        sc,  # scale
     )  # fmt: skip
     if target is not result:
         result[...] = target

@@ -1,5 +1,5 @@
 # Private extension module (csrc/bindings.cpp): pointers, sizes and strides only, all in elements.
-# pyattn/_api.py validates and normalises every argument and calls these with keywords; the
+# pyattn/_api.py validates and normalises every argument and calls these positionally; the
 # kernels trust what they get (debug and sanitizer builds, where ``debug_checks`` is True, check
 # each extent and stride against its array and raise IndexError). Use the pyattn package.
 from typing import List, Optional

@@ -7,7 +7,16 @@ import math
 import numpy as np
 
 from ._api import matmul, scaled_dot_product_attention, softmax
-from ._validate import as_array, broadcast_lead, compute_dtype, dtype_arg, float_array, is_float_dtype, positive_int
+from ._validate import (
+    _real,
+    as_array,
+    broadcast_lead,
+    compute_dtype,
+    dtype_arg,
+    float_array,
+    is_float_dtype,
+    positive_int,
+)
 
 __all__ = [
     "multi_head_attention",
@@ -343,8 +352,12 @@ def sinusoidal_positional_encoding(num_positions, d_model, *, base=10000.0, dtyp
     if num_positions < 0:
         raise ValueError(f"num_positions must be >= 0; got {num_positions}")
     d_model = positive_int(d_model, "d_model")
-    if isinstance(base, (bool, np.bool_)) or np.ndim(base) != 0 or not isinstance(base, (int, float, np.number)):
-        raise TypeError(f"base must be a number > 0; got {base!r}")
+    if not _real(base):
+        raise TypeError(f"base must be a real number > 0; got {base!r}")
+    try:
+        base = float(base)
+    except OverflowError:  # an int past float64
+        raise ValueError(f"base must fit a float64; got {base!r}") from None
     if not base > 0:
         raise ValueError(f"base must be > 0; got {base}")
     dtype = dtype_arg(dtype)
@@ -352,7 +365,7 @@ def sinusoidal_positional_encoding(num_positions, d_model, *, base=10000.0, dtyp
         raise TypeError(f"dtype must be float16, bfloat16, float32 or float64; got {dtype}")
     pos = np.arange(num_positions, dtype=np.float64)[:, None]
     i2 = np.arange(0, d_model, 2, dtype=np.float64)
-    angle = pos / np.power(float(base), i2 / d_model)
+    angle = pos / np.power(base, i2 / d_model)
     pe = np.empty((num_positions, d_model), np.float64)
     pe[:, 0::2] = np.sin(angle)
     pe[:, 1::2] = np.cos(angle[:, : d_model // 2])

@@ -451,6 +451,8 @@ def test_set_num_threads_bad_type():
         ((4, -2), {}, "d_model"),
         ((4, 4), dict(base=0.0), "base"),
         ((4, 4), dict(base=-10.0), "base"),
+        ((4, 4), dict(base=float("nan")), "base"),
+        ((4, 4), dict(base=10**400), "base must fit a float64"),  # not OverflowError
     ],
 )
 def test_sinusoidal_bad(args, kw, match):
@@ -458,7 +460,8 @@ def test_sinusoidal_bad(args, kw, match):
         pyattn.sinusoidal_positional_encoding(*args, **kw)
 
 
-@pytest.mark.parametrize("base", ["10", None, np.array([2.0, 3.0]), True])
+# np.complex128 is an np.number and compares by its real part: it was taken as its real part
+@pytest.mark.parametrize("base", ["10", None, np.array([2.0, 3.0]), True, 2 + 5j, np.complex128(2 + 5j)])
 def test_sinusoidal_bad_base_type(base):
     with pytest.raises(TypeError, match="base"):
         pyattn.sinusoidal_positional_encoding(4, 4, base=base)
@@ -468,6 +471,23 @@ def test_sinusoidal_bad_base_type(base):
 def test_softmax_bad_scale(scale):
     with pytest.raises(TypeError, match="scale must be a real number"):
         pyattn.softmax(np.ones((2, 3), np.float32), scale=scale)
+    with pytest.raises(TypeError, match="scale must be a real number"):  # checked before an empty x returns
+        pyattn.softmax(np.ones((0, 3), np.float32), scale=scale)
+
+
+# A finite scale past the computation's range would round to inf there, and 0 * inf is NaN:
+# refused, as attention refuses it. (x * scale may be finite: 1e-30 * 1e39.)
+@pytest.mark.parametrize("dtype,scale", [(np.float32, 1e39), (np.float16, 3.5e38), (np.float32, -1e39)])
+def test_softmax_scale_past_the_dtype(dtype, scale):
+    x = np.array([0.0, 1e-30, -1e-30], dtype)
+    with pytest.raises(ValueError, match="overflows a float32 computation"):
+        pyattn.softmax(x, scale=scale)
+    with pytest.raises(ValueError, match="overflows a float32 computation"):
+        pyattn.softmax(x[:0], scale=scale)
+    # at the edge of the range, and inf itself, it is taken (inf propagates, as in attention)
+    pyattn.softmax(x, scale=float(np.finfo(np.float32).max))
+    assert np.isnan(pyattn.softmax(x, scale=float("inf"))).all()
+    assert np.allclose(pyattn.softmax(x.astype(np.float64), scale=scale), pyattn.reference.softmax(x, scale=scale))
 
 
 # np.longdouble is float64 itself on some platforms (Windows, macOS on arm64): taken there
