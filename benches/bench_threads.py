@@ -149,8 +149,12 @@ def test_threads_smoke(capsys):
         small = replace(case, h=2, lq=min(case.lq, 64), lk=256)
         times = measure(small, [1, 2], 1, available_peers(PREPARE))
         assert set(times["pyattn"]) == {1, 2}
+        capsys.readouterr()
         report(small, times, [1, 2])
-    assert "pyattn/" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert small.key in out and "pyattn " in out
+        # a ratio column for each peer measured (none where neither torch nor onnxruntime imports)
+        assert all(f"pyattn/{name}" in out for name in times if name != "pyattn")
 
 
 def main(argv=None):

@@ -70,8 +70,11 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true", help="compare with the single-process call (default with --quick)")
     args = ap.parse_args(argv)
 
-    import dask.array as da
-    import distributed
+    try:
+        import dask.array as da
+        import distributed
+    except ImportError as e:
+        sys.exit(f"this example needs dask and distributed ({e}): pip install '.[dask]' in pyattn's checkout")
 
     import pyattn
     import pyattn.dask

@@ -331,7 +331,10 @@ def generate(model: Decoder, caches: list, prompts: list, n_new: int) -> Generat
 def cache_dtype(name: str):
     """The cache dtype: NumPy's, or ml_dtypes' bfloat16 (NumPy has none of its own)."""
     if name == "bfloat16":
-        import ml_dtypes
+        try:
+            import ml_dtypes
+        except ImportError:
+            sys.exit("--dtype bfloat16 needs ml_dtypes: pip install ml_dtypes")
 
         return ml_dtypes.bfloat16
     return np.dtype(name)
@@ -441,7 +444,10 @@ def main(argv=None) -> int:
 
     failures = []
     if args.torch:
-        tops = TorchOps()
+        try:
+            tops = TorchOps()
+        except ImportError:
+            sys.exit("--torch needs torch (pip install torch; its CPU build is enough)")
         tops.torch.set_num_threads(pyattn.get_num_threads())  # the same cores
         tcaches = torch_caches(cfg, B, max_len)
         results["torch"] = tgen = timed_generation(Decoder(cfg, weights, tops), tcaches, prompts, args.new_tokens)
