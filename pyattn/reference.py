@@ -65,6 +65,18 @@ def _additive(mask):
     return mask.astype(np.float64)
 
 
+def _masked(scores, mask, what="scores"):
+    """scores with mask applied: a float mask is added; a bool one replaces each score where it
+    is False by -inf (replaced, not added: a NaN score there does not survive, as in pyattn). The
+    mask broadcasts to scores' shape and may not enlarge it."""
+    mask = np.asarray(mask)
+    if np.broadcast_shapes(mask.shape, scores.shape) != scores.shape:
+        raise ValueError(f"mask has shape {mask.shape}; expected a shape broadcastable to the {what}' {scores.shape}")
+    if mask.dtype == np.bool_:
+        return np.where(mask, scores, -np.inf)
+    return scores + mask.astype(np.float64)
+
+
 def causal_mask(lq, lk, causal_align="top_left"):
     """Bool (Lq, Lk) mask, True where query i may see key j.
 
@@ -186,7 +198,7 @@ def softmax(x, axis=-1, *, scale=None, mask=None):
     x = _f64(x)
     z = x if scale is None else x * float(scale)
     if mask is not None:
-        z = z + _additive(mask)
+        z = _masked(z, mask, "input")
     weights, _ = _softmax_rows(z, axis=axis)
     return weights
 
@@ -287,9 +299,9 @@ def scaled_dot_product_attention(
     if alibi_slopes is not None:
         slopes = _per_head(alibi_slopes, "alibi_slopes", lead)[..., None, None]
         scores = scores - slopes * np.abs(rel)
-    # 4. the mask: a float mask is added (a bool one adds -inf where False)
+    # 4. the mask: a float mask is added (a bool one puts -inf where False)
     if attn_mask is not None:
-        scores = scores + _additive(attn_mask)
+        scores = _masked(scores, attn_mask)
     # 4, 5, 7. is_causal, window and kv_lens hide keys
     visible = np.ones(np.shape(rel), dtype=bool)
     if is_causal:
@@ -529,7 +541,7 @@ def additive_attention(query, keys, w_query, w_keys, v, *, values=None, mask=Non
     ka = k @ _f64(w_keys)  # (..., Lk, A)
     e = np.tanh(qa[..., :, None, :] + ka[..., None, :, :]) @ _f64(v)  # (..., Lq, Lk)
     if mask is not None:
-        e = e + _additive(mask)
+        e = _masked(e, mask)
     weights, _ = _softmax_rows(e, axis=-1)
     out = weights @ vals
     return (out, weights) if return_weights else out

@@ -203,3 +203,49 @@ def test_reference_value_adds_leading_axes():
                 sinks=kw["sinks"],
             )[1]
             np.testing.assert_allclose(lse[b, x], one, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_reference_bool_mask_replaces_a_hidden_score(bad):
+    """A non-finite key hidden by a bool attn_mask does not reach the output: its score is
+    replaced by -inf, not added to (NaN + -inf is NaN), in the oracle as in pyattn. The same for
+    softmax's bool mask."""
+    import pyattn
+
+    q = np.array([[1.0, 0.0]])
+    k = np.array([[1.0, 0.0], [0.0, 1.0], [bad, 0.0]])
+    v = np.array([[1.0], [2.0], [3.0]])
+    m = np.array([True, True, False])
+    w = np.exp([1 / np.sqrt(2), 0.0])
+    want = (w @ v[:2]) / w.sum()
+    np.testing.assert_allclose(reference.scaled_dot_product_attention(q, k, v, m)[0], want, rtol=1e-15)
+    np.testing.assert_allclose(pyattn.scaled_dot_product_attention(q, k, v, m)[0], want, rtol=1e-15)
+    x = np.array([1.0, bad, 2.0])
+    keep = np.array([True, False, True])
+    want = np.array([1.0, 0.0, np.e]) / (1.0 + np.e)
+    np.testing.assert_allclose(reference.softmax(x, mask=keep), want, rtol=1e-15)
+    np.testing.assert_allclose(pyattn.softmax(x, mask=keep), want, rtol=1e-15)
+    # a float mask is added: -inf added to NaN stays NaN, in both
+    fm = np.where(m, 0.0, -np.inf)
+    if np.isnan(bad):
+        assert np.isnan(reference.scaled_dot_product_attention(q, k, v, fm)).all()
+        assert np.isnan(pyattn.scaled_dot_product_attention(q, k, v, fm)).all()
+
+
+def test_reference_mask_may_not_add_leading_axes():
+    """A mask broadcasts to the scores of q, k and v; leading axes of its own are refused, by the
+    oracle as by pyattn (it returned an output with the mask's batch)."""
+    import pyattn
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, n, 4)) for n in (3, 5, 5))
+    m = rng.standard_normal((4, 1, 3, 5))
+    for f in (reference.scaled_dot_product_attention, pyattn.scaled_dot_product_attention):
+        with pytest.raises(ValueError, match="broadcastable"):
+            f(q, k, v, m)
+    with pytest.raises(ValueError, match="broadcastable"):
+        reference.softmax(np.ones((2, 3)), mask=np.ones((4, 2, 3), bool))
+    # a value with more batch than q and k makes room for it
+    vb = rng.standard_normal((4, 2, 5, 4))
+    want = reference.scaled_dot_product_attention(q, k, vb, m)
+    np.testing.assert_allclose(pyattn.scaled_dot_product_attention(q, k, vb, m), want, rtol=1e-12)
