@@ -8,7 +8,6 @@ import numpy as np
 
 from ._api import matmul, scaled_dot_product_attention, softmax
 from ._validate import (
-    _real,
     as_array,
     broadcast_lead,
     compute_dtype,
@@ -16,6 +15,7 @@ from ._validate import (
     float_array,
     is_float_dtype,
     positive_int,
+    real_float,
 )
 
 __all__ = [
@@ -352,12 +352,9 @@ def sinusoidal_positional_encoding(num_positions, d_model, *, base=10000.0, dtyp
     if num_positions < 0:
         raise ValueError(f"num_positions must be >= 0; got {num_positions}")
     d_model = positive_int(d_model, "d_model")
-    if not _real(base):
-        raise TypeError(f"base must be a real number > 0; got {base!r}")
-    try:
-        base = float(base)
-    except OverflowError:  # an int past float64
-        raise ValueError(f"base must fit a float64; got {base!r}") from None
+    base = real_float(
+        base, lambda: f"base must be a real number > 0; got {base!r}", lambda: f"base must fit a float64; got {base!r}"
+    )
     if not base > 0:
         raise ValueError(f"base must be > 0; got {base}")
     dtype = dtype_arg(dtype)

@@ -253,16 +253,25 @@ def _real(x) -> bool:
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
 
 
+def real_float(x, type_error, range_error) -> float:
+    """A real number (``_real``) as a Python float: TypeError(type_error()) for anything else,
+    ValueError(range_error()) for an int past float64 (OverflowError from float()). The messages
+    are functions, formatted only on the way out (scale is read on every call)."""
+    if not _real(x):
+        raise TypeError(type_error())
+    try:
+        return float(x)
+    except OverflowError:
+        raise ValueError(range_error()) from None
+
+
 def scale_value(scale, E: int) -> float:
     """The score scale as a Python float: ``1/sqrt(E)`` for None; a real number otherwise."""
     if scale is None:
         return 1.0 / math.sqrt(E) if E > 0 else 1.0
-    if not _real(scale):
-        raise TypeError(f"scale must be a real number; got {scale!r}")
-    try:
-        return float(scale)
-    except OverflowError:  # an int past float64
-        raise ValueError(f"scale must fit a float64; got {scale!r}") from None
+    return real_float(
+        scale, lambda: f"scale must be a real number; got {scale!r}", lambda: f"scale must fit a float64; got {scale!r}"
+    )
 
 
 def integer_array(a: np.ndarray, name: str) -> np.ndarray:
@@ -353,12 +362,11 @@ def softcap_value(softcap) -> float:
     kernel_factors)."""
     if softcap is None:
         return 0.0
-    if not _real(softcap):
-        raise TypeError(f"softcap must be a number > 0 or None; got {type(softcap).__name__}")
-    try:
-        c = float(softcap)
-    except OverflowError:  # an int past float64
-        raise ValueError(f"softcap must be a finite number > 0; got {softcap!r}") from None
+    c = real_float(
+        softcap,
+        lambda: f"softcap must be a number > 0 or None; got {type(softcap).__name__}",
+        lambda: f"softcap must be a finite number > 0; got {softcap!r}",
+    )
     if not (0.0 < c < float("inf")):
         raise ValueError(f"softcap must be a finite number > 0; got {softcap!r}")
     return c
