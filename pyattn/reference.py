@@ -65,12 +65,13 @@ def _additive(mask):
     return mask.astype(np.float64)
 
 
-def _masked(scores, mask, what="scores"):
+def _masked(scores, mask, what="scores", grow=False):
     """scores with mask applied: a float mask is added; a bool one replaces each score where it
     is False by -inf (replaced, not added: a NaN score there does not survive, as in pyattn). The
-    mask broadcasts to scores' shape and may not enlarge it."""
+    mask broadcasts to scores' shape and may not enlarge it, unless ``grow`` (additive
+    attention's mask may add leading axes to its output)."""
     mask = np.asarray(mask)
-    if np.broadcast_shapes(mask.shape, scores.shape) != scores.shape:
+    if not grow and np.broadcast_shapes(mask.shape, scores.shape) != scores.shape:
         raise ValueError(f"mask has shape {mask.shape}; expected a shape broadcastable to the {what}' {scores.shape}")
     if mask.dtype == np.bool_:
         return np.where(mask, scores, -np.inf)
@@ -541,7 +542,7 @@ def additive_attention(query, keys, w_query, w_keys, v, *, values=None, mask=Non
     ka = k @ _f64(w_keys)  # (..., Lk, A)
     e = np.tanh(qa[..., :, None, :] + ka[..., None, :, :]) @ _f64(v)  # (..., Lq, Lk)
     if mask is not None:
-        e = _masked(e, mask)
+        e = _masked(e, mask, grow=True)
     weights, _ = _softmax_rows(e, axis=-1)
     out = weights @ vals
     return (out, weights) if return_weights else out

@@ -249,3 +249,17 @@ def test_reference_mask_may_not_add_leading_axes():
     vb = rng.standard_normal((4, 2, 5, 4))
     want = reference.scaled_dot_product_attention(q, k, vb, m)
     np.testing.assert_allclose(pyattn.scaled_dot_product_attention(q, k, vb, m), want, rtol=1e-12)
+
+
+def test_reference_additive_mask_may_add_leading_axes():
+    """additive_attention's mask may add leading axes to the output, in pyattn as in the oracle."""
+    import pyattn
+
+    rng = np.random.default_rng(1)
+    q, k = rng.standard_normal((3, 4)), rng.standard_normal((5, 4))
+    wq, wk, v = rng.standard_normal((4, 6)), rng.standard_normal((4, 6)), rng.standard_normal(6)
+    m = rng.standard_normal((2, 3, 5)) > 0
+    m[..., 0] = True  # no fully masked row
+    want = reference.additive_attention(q, k, wq, wk, v, mask=m)
+    assert want.shape == (2, 3, 4)
+    np.testing.assert_allclose(pyattn.additive_attention(q, k, wq, wk, v, mask=m), want, rtol=1e-12, atol=1e-12)
