@@ -272,9 +272,11 @@ def softmax(x, axis=-1, *, scale=None, mask=None, out=None):
         except ValueError:
             raise ValueError(f"mask has shape {np.shape(mask)}; expected a shape broadcastable to {a.shape}") from None
         m = strided_ok(np.moveaxis(m, ax, -1))
-    sc = 1.0 if scale is None else scale_value(scale, 1)
-    if math.isfinite(sc) and abs(sc) > float(np.finfo(dtype).max):  # would round to inf: 0 * inf is NaN
-        raise ValueError(f"scale {scale!r} overflows a {np.dtype(dtype).name} computation")
+    sc = 1.0
+    if scale is not None:
+        sc = scale_value(scale, 1)
+        if math.isfinite(sc) and abs(sc) > float(np.finfo(dtype).max):  # would round to inf: 0 * inf is NaN
+            raise ValueError(f"scale {scale!r} overflows a {np.dtype(dtype).name} computation")
     if a.size == 0:
         return result if out is None else out
     target = result
