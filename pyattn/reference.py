@@ -463,22 +463,27 @@ def multi_head_attention(
 
     Qh, Kh, Vh = split_heads(Q, h, d), split_heads(K, hkv, d), split_heads(V, hkv, dv)
 
+    # Two bool masks stay one bool mask (True = attend), so a hidden score is replaced, not added
+    # to: a NaN key they hide does not reach the output. Any float mask makes the pair additive.
     mask = None
     if attn_mask is not None:
-        m = _additive(attn_mask)
+        m = np.asarray(attn_mask)
+        if m.dtype != np.bool_:
+            m = m.astype(np.float64)
         if m.ndim == 3 and not unbatched and m.shape[0] == bsz * h and bsz * h != h:
             m = m.reshape(bsz, h, lq, lk)  # torch's (B*H, Lq, Lk)
         mask = m
     if key_padding_mask is not None:
         kpm = np.asarray(key_padding_mask)
-        if kpm.dtype == np.bool_:
-            kpm = np.where(kpm, -np.inf, 0.0)  # True = padding
-        else:
-            kpm = kpm.astype(np.float64)
         if unbatched:
             kpm = kpm[None]
         kpm = kpm[:, None, None, :]  # (B, 1, 1, Lk)
-        mask = kpm if mask is None else mask + kpm
+        if kpm.dtype == np.bool_ and (mask is None or mask.dtype == np.bool_):
+            keep = ~kpm  # True = padding
+            mask = keep if mask is None else mask & keep
+        else:
+            kpm = np.where(kpm, -np.inf, 0.0) if kpm.dtype == np.bool_ else kpm.astype(np.float64)
+            mask = kpm if mask is None else _additive(mask) + kpm
 
     out, weights = scaled_dot_product_attention(
         Qh,

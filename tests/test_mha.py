@@ -200,6 +200,36 @@ def test_float_key_padding_mask(isa, dtype, rng):
     mha_check(q, q, q, 2, w, dtype, key_padding_mask=kpm, need_weights=True)
 
 
+@dtype_param
+@pytest.mark.parametrize("masks", ["attn_bool", "padding_bool", "both_bool", "bool_and_float_padding"])
+def test_nan_key_hidden_by_masks(isa, dtype, masks, rng):
+    """A NaN key token that the masks hide: bool masks (alone or together) replace its score, so
+    every output stays finite, in pyattn and the reference alike; once a float mask joins, the
+    masks are added and the NaN score spreads over its rows in both."""
+    b, h, lq, lk, e = 2, 2, 5, 7, 8
+    q = randn(rng, (b, lq, e), dtype)
+    k = randn(rng, (b, lk, e), dtype)
+    v = randn(rng, (b, lk, e), dtype)
+    k[:, 3] = np.nan  # value finite: only its score can carry the NaN
+    w = make_weights(rng, e, h, 4, dtype=dtype)
+    hide = np.zeros((b, lk), bool)
+    hide[:, 3] = True
+    attn = np.broadcast_to(~hide[:, None, None, :], (b, h, lq, lk)).copy()
+    attn[0, 1, 2, 0] = False  # more than the NaN token hidden
+    kw = {
+        "attn_bool": dict(attn_mask=attn),
+        "padding_bool": dict(key_padding_mask=hide),
+        "both_bool": dict(attn_mask=attn, key_padding_mask=hide),
+        "bool_and_float_padding": dict(attn_mask=attn, key_padding_mask=np.where(hide, -np.inf, 0.0).astype(dtype)),
+    }[masks]
+    out, weights = mha_check(q, k, v, h, w, dtype, need_weights=True, average_attn_weights=False, **kw)
+    if masks == "bool_and_float_padding":
+        assert np.isnan(out).all() and np.isnan(weights).all()
+    else:
+        assert np.isfinite(out).all()
+        assert (weights[..., 3] == 0).all()
+
+
 def test_mixed_dtype_weights(isa, rng):
     x = randn(rng, (2, 5, 8), np.float32)
     w = make_weights(rng, 8, 2, 4, dtype=np.float64)
