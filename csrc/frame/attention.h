@@ -1806,7 +1806,7 @@ struct Attention {
     // D128 1.25 / 1.16, Lk4096 1.16 / 1.03, H8 Lk4096 1.24 / 1.04; AVX-512, one process).
     index_t hpt = 1;
     if (a.block_table || heads_interleaved()) {
-      const index_t min_tasks = (a.block_table ? 2 : 1) * index_t(a.nthreads);
+      const index_t min_tasks = index_t(a.nthreads);
       while (hpt < kMaxRun && ng % (2 * hpt) == 0 && ng / (2 * hpt) * nchunk >= min_tasks) hpt *= 2;
     }
     const index_t ntasks = ng / hpt * nchunk;
