@@ -1801,9 +1801,11 @@ struct Attention {
     if (ng < 8) nchunk = max_of<index_t>(1, min_of<index_t>(ceil_div(8, ng), span / 256));
     // Through a paged cache, or over interleaved heads, a task takes hpt groups (consecutive
     // heads, whose rows lie side by side) over the same keys, as decode_groups: as many as leave
-    // two tasks a thread when paged, one over interleaved heads, which are read best the more of
-    // them a task takes (view over contiguous time, two tasks a thread / one: Hq32 Hkv8 Lk512
-    // D128 1.25 / 1.16, Lk4096 1.16 / 1.03, H8 Lk4096 1.24 / 1.04; AVX-512, one process).
+    // a task a thread, since both layouts are read best the more heads a task takes. Interleaved
+    // heads, view over contiguous time, two tasks a thread / one: Hq32 Hkv8 Lk512 D128 1.25 /
+    // 1.16, Lk4096 1.16 / 1.03, H8 Lk4096 1.24 / 1.04 (AVX-512, one process). Paged, 16-row
+    // blocks, B1 Hq32 Hkv8 Lk32768 D128: one task a thread (4 heads) 1.05-1.08x faster than two
+    // (2 heads), B2 and B4 the same (AVX-512, 2 threads, one-process A/B, Zen 4).
     index_t hpt = 1;
     if (a.block_table || heads_interleaved()) {
       const index_t min_tasks = index_t(a.nthreads);
