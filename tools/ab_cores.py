@@ -15,8 +15,10 @@ while other work shares the machine: take more rounds, and more than one run, th
 The cases are the benches' own (benches/bench_attention.py's shapes, benches/bench_variants.py's
 shapes times variants, with their inputs and keywords; benches/bench_kvcache.py's paged-decode
 case, on its contiguous and its paged cache), chosen by -k substrings of the names the
-report prints; --shape adds plain float32 ones. It prints, per case, the median times and B's
-speed over A's (A's time / B's time) by medians, fastest calls and first quartiles.
+report prints; --shape adds plain float32 ones, --decode a decode step of any shape on a
+contiguous cache and on it paged (`--decode 1,32,8,32768,128` for B1 Hq32 Hkv8 Lk32768 D128).
+It prints, per case, the median times and B's speed over A's (A's time / B's time) by medians,
+fastest calls and first quartiles.
 
 The Python layer is the one `import pyattn` finds; only the core changes between calls. Each core
 is loaded under a module name of its own: loaded as `pyattn._core` a second time, the interpreter
@@ -76,6 +78,27 @@ def _use(core) -> None:
             setattr(mod, name, getattr(core, fname))
 
 
+def _decode_cases(spec: str) -> dict:
+    """--decode B,Hq,Hkv,Lk,D[,block]: a float32 decode step (one query a head) on a full
+    contiguous cache, and on the same cache paged in blocks of `block` rows (16 by default)
+    through a shuffled block table, as the benches lay it out."""
+    parts = [int(x) for x in spec.split(",")]
+    b, hq, hkv, lk, d = parts[:5]
+    block = parts[5] if len(parts) > 5 else 16
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((b, hq, 1, d), dtype=np.float32)
+    k, v = (rng.standard_normal((b, hkv, lk, d), dtype=np.float32) for _ in range(2))
+    lens = np.full(b, lk - 1, np.int32)  # (the step appends nothing: lens + Lq = Lk keys)
+    nb = -(-lk // block)
+    table = rng.permutation(b * nb).astype(np.int32).reshape(b, nb)
+    kp, vp = bench_kvcache.paged_pool(k, table, block), bench_kvcache.paged_pool(v, table, block)
+    name = f"decode B{b} Hq{hq} Hkv{hkv} Lk{lk} D{d}"
+    return {
+        f"{name} contiguous": functools.partial(pyattn.kvcache_attention, q, k, v, lens),
+        f"{name} paged{block}": functools.partial(pyattn.kvcache_attention, q, kp, vp, lens, block_table=table),
+    }
+
+
 def _cases(keys: list[str], shapes: list[str]) -> dict:
     """name -> call, from the benches' shapes whose names contain one of keys, and --shape."""
     cases = {}
@@ -127,11 +150,19 @@ def main() -> None:
     ap.add_argument(
         "--shape", action="append", default=[], help="B,H,Lq,Lk,D[,causal][,alibi][,softcap]: a float32 case of its own"
     )
+    ap.add_argument(
+        "--decode",
+        action="append",
+        default=[],
+        help="B,Hq,Hkv,Lk,D[,block]: a float32 decode step on a contiguous cache and on it paged (16-row blocks)",
+    )
     ap.add_argument("--rounds", type=int, default=20, help="calls of each core per case")
     args = ap.parse_args()
     cases = _cases(args.keys, args.shape)
+    for spec in args.decode:
+        cases.update(_decode_cases(spec))
     if not cases:
-        raise SystemExit("no case: give -k (a substring of a bench shape's name) or --shape")
+        raise SystemExit("no case: give -k (a substring of a bench shape's name), --shape or --decode")
     cores = [_load(args.core_a, "a"), _load(args.core_b, "b")]
     print(f"A {args.core_a}\nB {args.core_b}\nisa {cores[0].isa()}, threads {pyattn.get_num_threads()}")
     width = max(map(len, cases))
