@@ -233,6 +233,39 @@ def test_int8_cache_keeps_a_nan_or_inf_row_as_nan(bad, rng):
     assert sc["k_scale"][0, 0, 0] == np.float32(1 / 127)  # the finite row as before
 
 
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("lq, group", [(1, 1), (1, 4), (2, 1), (8, 1), (9, 1), (40, 2)])  # decode rows, then tiles
+def test_int8_key_scale_not_finite_is_the_dequantised_key(isa, softcap, paged, bad, lq, group, rng):
+    """A key scale of +-inf or NaN stands for the key row k * scale, as the reference reads it:
+    a zero element makes it NaN, so every query that sees the key gets NaN. The decode rows
+    scaled q . k by it instead, and +-inf there hid the key, or (softcapped) took it with a
+    finite score (Lq <= 8), where the prefill, which dequantises first, gave NaN."""
+    hkv, E, held = 2, 4, 6
+    kc = rng.integers(-127, 128, (1, hkv, 64, E)).astype(np.int8)
+    kc[0, :, 2, 0] = 0  # a zero element in the key whose scale goes bad
+    vc = rng.integers(-127, 128, (1, hkv, 64, E)).astype(np.int8)
+    ks = np.full((1, hkv, 64), 0.02, np.float32)
+    vs = np.full((1, hkv, 64), 0.01, np.float32)
+    ks[0, :, 2] = bad
+    q = rn(rng, (1, hkv * group, lq, E))
+    caches, table = (kc, vc, ks, vs), {}
+    if paged:  # blocks of 4 rows in reverse order: pool[15 - j] holds rows 4j..4j+3
+        caches = tuple(np.ascontiguousarray(x.reshape(hkv, 16, 4, *x.shape[3:]).swapaxes(0, 1)[::-1]) for x in caches)
+        table = dict(block_table=np.arange(15, -1, -1, dtype=np.int32)[None])
+    out, lse = pyattn.kvcache_attention(
+        q, caches[0], caches[1], np.array([held]), k_scale=caches[2], v_scale=caches[3], is_causal=False,
+        return_lse=True, softcap=softcap, **table,
+    )  # fmt: skip
+    with np.errstate(invalid="ignore"):  # 0 * inf, and NaN in the reference's products
+        k = (kc[:, :, :held].astype(np.float64) * ks[:, :, :held, None]).repeat(group, axis=1)
+        v = (vc[:, :, :held].astype(np.float64) * vs[:, :, :held, None]).repeat(group, axis=1)
+        want, want_lse = reference.scaled_dot_product_attention(q, k, v, return_lse=True, softcap=softcap)
+    assert np.isnan(want).all() and np.isnan(out).all()
+    assert np.isnan(want_lse).all() and np.isnan(lse).all()
+
+
 @pytest.mark.parametrize("cdt", ["float32", "float16", "bfloat16", "int8"])
 @pytest.mark.parametrize("lq, group", [(2, 1), (3, 4), (9, 1), (20, 2)])  # decode rows, then prefill tiles
 def test_a_nan_new_value_reaches_only_the_queries_that_see_it(isa, cdt, lq, group, rng):

@@ -1571,6 +1571,24 @@ struct Attention {
   // Key rows of at most two cache lines: the rows decode_stream_keys and decode_block treat apart.
   bool short_key_rows() const { return a.E * index_t(sizeof(KV)) <= 128; }
 
+  //   s[j] = q . (k_j * ks[j]) element by element, for each key j whose int8 scale is not
+  //   finite. scale (q . k) equals it for finite scales only: an inf scale times a zero element
+  //   is NaN in the dequantised row (as in the reference, and in the prefill, which dequantises
+  //   first), where scale (q . k) is +-inf: -inf would hide a key the query sees, and a softcap
+  //   would make +inf finite. Taken only for a row with an infinite score, which a non-finite
+  //   scale gives wherever the two differ. (A pass over the scales to find them cost single int8
+  //   decode rows 3-8%.)
+  template <class KRow>
+  void int8_scores_at(const T* q, const Slots& cur, index_t kb, const T* ks, T* s, KRow&& krow) const {
+    for (index_t j = 0; j < kb; ++j) {
+      if (std::isfinite(ks[j])) continue;
+      const KV* k = krow(cur, j);
+      T acc = T(0);
+      for (index_t e = 0; e < a.E; ++e) acc += q[e] * (T(k[e]) * ks[j]);
+      s[j] = acc;
+    }
+  }
+
   // Block blk of run u, keys [k0, k0 + db) cut at u.j1; leaves unnormalised acc, running max m
   // (log2 units) and sum l per row. stream_keys (decode_stream_keys): single rows streamed from
   // memory, prefetched key by key, or several keys at a time with none. The rows prefetched
@@ -1689,8 +1707,14 @@ struct Attention {
       const Problem& p = rp[x];
       const index_t qi = x % Lq;
       T* s = r.s + x * db;
-      if constexpr (kInt8)  // q . (scale k) = scale (q . k)
-        for (index_t j = 0; j < kb; ++j) s[j] *= ks[j];
+      if constexpr (kInt8) {  // q . (scale k) = scale (q . k), unless that is infinite (int8_scores_at)
+        unsigned inf = 0;
+        for (index_t j = 0; j < kb; ++j) {
+          s[j] *= ks[j];
+          inf |= unsigned(std::abs(s[j]) == kInf);
+        }
+        if (inf) int8_scores_at(r.q + x * E, *cur, kb, ks, s, krow);
+      }
       mod_keys(p, qi, k0, kb, s);
       mask_row(p, qi, k0, kb, s, 1);
       const T mx = K::max_row(s, kb, r.m[x]);
