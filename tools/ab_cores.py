@@ -15,8 +15,8 @@ while other work shares the machine: take more rounds, and more than one run, th
 The cases are the benches' own (benches/bench_attention.py's shapes, benches/bench_variants.py's
 shapes times variants, with their inputs and keywords; benches/bench_kvcache.py's paged-decode
 case, on its contiguous and its paged cache), chosen by -k substrings of the names the
-report prints; --shape adds plain float32 ones, --decode a decode step of any shape on a
-contiguous cache and on it paged (`--decode 1,32,8,32768,128` for B1 Hq32 Hkv8 Lk32768 D128).
+report prints; --shape adds plain float32 ones, --decode that paged-decode case at any shape
+(`--decode 1,32,8,32768,128` for B1 Hq32 Hkv8 Lk32768 D128, 16-row blocks).
 It prints, per case, the median times and B's speed over A's (A's time / B's time) by medians,
 fastest calls and first quartiles.
 
@@ -78,25 +78,21 @@ def _use(core) -> None:
             setattr(mod, name, getattr(core, fname))
 
 
-def _decode_cases(spec: str) -> dict:
-    """--decode B,Hq,Hkv,Lk,D[,block]: a float32 decode step (one query a head) on a full
-    contiguous cache, and on the same cache paged in blocks of `block` rows (16 by default)
-    through a shuffled block table, as the benches lay it out."""
-    parts = [int(x) for x in spec.split(",")]
-    b, hq, hkv, lk, d = parts[:5]
-    block = parts[5] if len(parts) > 5 else 16
-    rng = np.random.default_rng(0)
-    q = rng.standard_normal((b, hq, 1, d), dtype=np.float32)
-    k, v = (rng.standard_normal((b, hkv, lk, d), dtype=np.float32) for _ in range(2))
-    lens = np.full(b, lk - 1, np.int32)  # (the step appends nothing: lens + Lq = Lk keys)
-    nb = -(-lk // block)
-    table = rng.permutation(b * nb).astype(np.int32).reshape(b, nb)
-    kp, vp = bench_kvcache.paged_pool(k, table, block), bench_kvcache.paged_pool(v, table, block)
-    name = f"decode B{b} Hq{hq} Hkv{hkv} Lk{lk} D{d}"
+def _paged_calls(c) -> dict:
+    """{name: call}: the decode of bench_kvcache's paged case c on its contiguous cache and on
+    the same tokens paged through a shuffled block table (bench_kvcache.paged_inputs)."""
+    q, kc, vc, kp, vp, table, lens = bench_kvcache.paged_inputs(c)
     return {
-        f"{name} contiguous": functools.partial(pyattn.kvcache_attention, q, k, v, lens),
-        f"{name} paged{block}": functools.partial(pyattn.kvcache_attention, q, kp, vp, lens, block_table=table),
+        f"{c.name} contiguous": functools.partial(pyattn.kvcache_attention, q, kc, vc, lens),
+        f"{c.name} paged": functools.partial(pyattn.kvcache_attention, q, kp, vp, lens, block_table=table),
     }
+
+
+def _decode_case(spec: str) -> dict:
+    """--decode B,Hq,Hkv,Lk,D[,block]: a bench_kvcache paged case of that shape (block 16 by
+    default), Lk tokens held a sequence."""
+    parts = [int(x) for x in spec.split(",")]
+    return _paged_calls(bench_kvcache.PagedCase(*parts[:5], parts[5] if len(parts) > 5 else 16))
 
 
 def _cases(keys: list[str], shapes: list[str]) -> dict:
@@ -120,12 +116,7 @@ def _cases(keys: list[str], shapes: list[str]) -> dict:
         names = [f"{c.name} {what}" for what in ("contiguous", "paged")]
         if not any(k in name for k in keys for name in names):
             continue
-        q, kc, vc, kp, vp, table, lens = bench_kvcache.paged_inputs(c)
-        calls = (
-            functools.partial(pyattn.kvcache_attention, q, kc, vc, lens),
-            functools.partial(pyattn.kvcache_attention, q, kp, vp, lens, block_table=table),
-        )
-        cases.update((name, call) for name, call in zip(names, calls) if any(k in name for k in keys))
+        cases.update((name, call) for name, call in _paged_calls(c).items() if any(k in name for k in keys))
     rng = np.random.default_rng(0)
     for s in shapes:
         parts = s.split(",")
@@ -160,7 +151,7 @@ def main() -> None:
     args = ap.parse_args()
     cases = _cases(args.keys, args.shape)
     for spec in args.decode:
-        cases.update(_decode_cases(spec))
+        cases.update(_decode_case(spec))
     if not cases:
         raise SystemExit("no case: give -k (a substring of a bench shape's name), --shape or --decode")
     cores = [_load(args.core_a, "a"), _load(args.core_b, "b")]

@@ -1831,10 +1831,8 @@ struct Attention {
     // blocks, B1 Hq32 Hkv8 Lk32768 D128: one task a thread (4 heads) 1.05-1.08x faster than two
     // (2 heads), B2 and B4 the same (AVX-512, 2 threads, one-process A/B, Zen 4).
     index_t hpt = 1;
-    if (a.block_table || heads_interleaved()) {
-      const index_t min_tasks = index_t(a.nthreads);
-      while (hpt < kMaxRun && ng % (2 * hpt) == 0 && ng / (2 * hpt) * nchunk >= min_tasks) hpt *= 2;
-    }
+    if (a.block_table || heads_interleaved())
+      while (hpt < kMaxRun && ng % (2 * hpt) == 0 && ng / (2 * hpt) * nchunk >= index_t(a.nthreads)) hpt *= 2;
     const index_t ntasks = ng / hpt * nchunk;
     const std::size_t part = std::size_t(R) * std::size_t(Ev + 2);  // acc, m, l per group and chunk
     T* parts = nchunk > 1 ? static_cast<T*>(scratch(2, std::size_t(ng * nchunk) * part * sizeof(T))) : nullptr;
